@@ -1,0 +1,17 @@
+"""flashvlm: a fast inference engine and server for vision-language models."""
+
+from flashvlm.request import InvalidRequestError, RequestOutput, SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and transformers; import it lazily so `import flashvlm` stays light.
+    if name == "LLM":
+        from flashvlm.llm import LLM
+
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "InvalidRequestError", "__version__"]

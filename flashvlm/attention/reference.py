@@ -1,0 +1,43 @@
+"""Plain-torch attention over the paged KV cache: gathers each sequence's blocks and runs SDPA.
+
+Correct on any device and the yardstick for the fast backends; it loops over sequences on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flashvlm.attention.base import AttentionBackend, AttentionMetadata
+
+
+class ReferenceBackend(AttentionBackend):
+    name = "reference"
+
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        num_heads, bs = q.shape[1], meta.block_size
+        for i in range(meta.num_seqs):
+            start, end = meta.query_start_loc_host[i], meta.query_start_loc_host[i + 1]
+            seq_len = meta.seq_lens_host[i]
+            num_new = end - start
+            blocks = meta.block_tables[i, : (seq_len + bs - 1) // bs].long()
+            k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
+            v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+            groups = num_heads // k.shape[1]
+            if groups > 1:
+                k = k.repeat_interleave(groups, dim=1)
+                v = v.repeat_interleave(groups, dim=1)
+            qi = q[start:end].transpose(0, 1)  # (heads, new, dim)
+            k, v = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+            ctx = seq_len - num_new
+            if num_new == 1:
+                mask = None
+            else:
+                key_pos = torch.arange(seq_len, device=q.device)
+                query_pos = torch.arange(ctx, seq_len, device=q.device)
+                mask = key_pos[None, :] <= query_pos[:, None]
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
+            out[start:end] = o.transpose(0, 1)
+        return out

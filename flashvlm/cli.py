@@ -1,0 +1,117 @@
+"""`flashvlm` command line: generate (and, in later releases, serve and bench)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from flashvlm import __version__
+
+_DESCRIPTION = """flashvlm: fast inference for vision-language models.
+
+Models are local Hugging Face checkpoint folders (Qwen2-VL, Qwen2.5-VL, LLaVA-1.5 in llava-hf form).
+Without --model, an embedded tiny Qwen2-VL-architecture model with random weights is built locally
+(no download); its answers are random text, useful only to try the pipeline."""
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="path to a Hugging Face checkpoint folder (default: the embedded tiny model)")
+    g.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda if available)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weights and activations dtype (auto: the checkpoint's on GPU, float32 on CPU)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's limit)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step; longer prompts are prefilled in chunks")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory for weights, activations and KV cache")
+    g.add_argument("--kv-cache-tokens", type=int, default=None, help="fix the KV cache size in tokens")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights from config.json alone (benchmarks)")
+    g.add_argument("--seed", type=int, default=0, help="seed for random weights and unseeded sampling")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashvlm", description=_DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"flashvlm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    gen = sub.add_parser("generate", help="answer one prompt, optionally about images",
+                         description="Answer one prompt about zero or more images and print the text. "
+                                     "The prompt is wrapped in the model's chat template unless --raw.",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen.add_argument("prompt", help="the question or instruction")
+    gen.add_argument("--image", action="append", default=[], metavar="IMG",
+                     help="image file (PNG, JPEG, ...); repeat for several images")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely tokens (-1: off)")
+    gen.add_argument("--raw", action="store_true",
+                     help="send the prompt as is (it must then carry one image placeholder per image)")
+    gen.add_argument("-v", "--verbose", action="store_true", help="log engine details and timings")
+    _add_engine_args(gen)
+    return parser
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_tokens=args.kv_cache_tokens,
+                block_size=args.block_size, load_format=args.load_format, seed=args.seed)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from flashvlm.llm import LLM
+    from flashvlm.request import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens)
+    if args.model is None:
+        print("note: no --model given; using the embedded tiny model with RANDOM weights "
+              "(its answer is noise)", file=sys.stderr)
+    llm = LLM(args.model, **_engine_kwargs(args))
+    t0 = time.perf_counter()
+    if args.raw:
+        out = llm.generate({"prompt": args.prompt, "images": args.image}, params)[0]
+    else:
+        content = [{"type": "image_url", "image_url": {"url": path}} for path in args.image]
+        content.append({"type": "text", "text": args.prompt})
+        out = llm.chat([{"role": "user", "content": content}], params)[0]
+    elapsed = time.perf_counter() - t0
+    print(out.text)
+    ttft = (out.ttft or 0.0) * 1e3
+    print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} generated, "
+          f"finish={out.finish_reason}, TTFT {ttft:.0f} ms, total {elapsed * 1e3:.0f} ms]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    from flashvlm.config import ConfigError
+    from flashvlm.models.interfaces import MissingWeightError
+    from flashvlm.models.registry import UnsupportedModelError
+    from flashvlm.request import InvalidRequestError
+
+    try:
+        return _generate(args)
+    except (InvalidRequestError, ConfigError, MissingWeightError, UnsupportedModelError,
+            FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Engine configuration: plain dataclasses, validated once in `EngineConfig.validate()` and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """An engine setting that cannot work; raised before any weights are loaded."""
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    """Path to a Hugging Face checkpoint folder."""
+    dtype: str = "auto"
+    """auto = the checkpoint's dtype on GPU, float32 on CPU (CPU half precision is slow and imprecise)."""
+    load_format: str = "auto"
+    """auto = read safetensors; dummy = seeded random weights (benchmarks only)."""
+    seed: int = 0
+    max_model_len: int | None = None
+    """None = the model's max_position_embeddings."""
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_tokens: int | None = None
+    """Exact KV capacity in tokens; overrides gpu_memory_utilization."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory the engine may use (weights, activations and KV cache)."""
+    num_blocks: int = 0
+    """Filled in by the runner once it has sized the KV cache."""
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0
+    """Filled from ModelConfig once the checkpoint's limit is known."""
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"
+    attention_backend: str = "reference"
+
+    def validate(self) -> EngineConfig:
+        m, c, s = self.model, self.cache, self.scheduler
+        if m.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {_DTYPES}, got {m.dtype!r}")
+        if m.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"load_format must be 'auto' or 'dummy', got {m.load_format!r}")
+        if m.max_model_len is not None and m.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {m.max_model_len}")
+        if c.block_size < 1 or c.block_size & (c.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {c.block_size}")
+        if c.kv_cache_tokens is not None and c.kv_cache_tokens < c.block_size:
+            raise ConfigError(f"kv_cache_tokens must be >= block_size ({c.block_size}), got {c.kv_cache_tokens}")
+        if not 0.0 < c.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
+        if s.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
+        if s.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
+        if self.device == "auto":
+            import torch
+
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        return self

@@ -1,0 +1,158 @@
+"""The synchronous engine: add requests, step (schedule -> execute -> update), emit outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flashvlm.cache.block_manager import BlockManager
+from flashvlm.cache.encoder_cache import EncoderCacheManager
+from flashvlm.config import EngineConfig
+from flashvlm.engine.detokenizer import IncrementalDetokenizer
+from flashvlm.engine.scheduler import Scheduler
+from flashvlm.models.loader import load_model, read_checkpoint, resolve_dtype
+from flashvlm.processing.input_processor import InputProcessor, ProcessedPrompt
+from flashvlm.request import InvalidRequestError, Request, RequestOutput, RequestStatus, SamplingParams
+from flashvlm.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    """Engine-side output state of one request: its detokenizer and timing marks."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    stage_times: dict[str, float] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config.validate()
+        mc = config.model
+        torch.manual_seed(mc.seed)
+        t0 = time.perf_counter()
+        self.checkpoint = read_checkpoint(mc)
+        max_len = self.checkpoint.max_position_embeddings
+        if mc.max_model_len is not None:
+            if mc.max_model_len > max_len:
+                logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
+                               mc.max_model_len, max_len)
+            max_len = mc.max_model_len
+        config.scheduler.max_model_len = max_len
+        self.dtype = resolve_dtype(mc, self.checkpoint.hf_config, config.device)
+        self.model = load_model(mc, self.checkpoint, config.device, self.dtype)
+        self.load_time = time.perf_counter() - t0
+        self.runner = ModelRunner(config, self.model, self.dtype)
+        num_blocks = self.runner.determine_num_blocks()
+        config.cache.num_blocks = num_blocks
+        self.runner.allocate_kv_cache(num_blocks)
+        self.scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, config.cache.block_size),
+                                   EncoderCacheManager())
+        text_cfg = self.checkpoint.text_config
+        self.input_processor = InputProcessor(self.checkpoint, text_cfg.vocab_size, self.model.image_token_id)
+        self.tokenizer = self.checkpoint.tokenizer
+        self.eos_token_ids = self.checkpoint.eos_token_ids()
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, loaded in %.1fs",
+                    self.checkpoint.path.name, config.device, self.dtype, num_blocks,
+                    config.cache.block_size, self.load_time)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def process_prompt(self, prompt: str | dict[str, Any]) -> ProcessedPrompt:
+        return self.input_processor.process(prompt)
+
+    def process_chat(self, messages: list[dict], **kwargs: Any) -> ProcessedPrompt:
+        return self.input_processor.process_chat(messages, **kwargs)
+
+    def add_processed(self, processed: ProcessedPrompt, sampling_params: SamplingParams | None = None,
+                      request_id: str | None = None, priority: int = 0,
+                      arrival_time: float | None = None) -> Request:
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._tracked:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+        n, limit = len(processed.prompt_token_ids), self.config.scheduler.max_model_len
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if n >= limit:
+            raise InvalidRequestError(f"prompt is {n} tokens long; max_model_len is {limit} "
+                                      "(the prompt plus at least one generated token must fit)")
+        req = Request(request_id=request_id, prompt_token_ids=processed.prompt_token_ids,
+                      sampling_params=params, mm_items=processed.mm_items, priority=priority,
+                      arrival_time=arrival_time if arrival_time is not None else time.time(),
+                      eos_token_ids=self.eos_token_ids)
+        if not self.scheduler.can_ever_fit(req):
+            raise InvalidRequestError(f"prompt of {n} tokens needs more KV cache than the engine has "
+                                      f"({self.config.cache.num_blocks - 1} blocks of {self.config.cache.block_size})")
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens, params.stop)
+        self._tracked[request_id] = _Tracked(req, detok)
+        self.scheduler.add_request(req)
+        return req
+
+    def add_request(self, prompt: str | dict[str, Any], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> Request:
+        return self.add_processed(self.process_prompt(prompt), sampling_params, request_id, priority)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None
+        self.scheduler.abort_request(request_id)
+        return self._finish_output(tracked)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- stepping ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step; returns an output for every request that got tokens or finished."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            self.runner.release(out)
+            return []
+        sampled = self.runner.execute(out)
+        changed = self.scheduler.update(out, sampled)
+        outputs = []
+        for req in changed:
+            tracked = self._tracked.get(req.request_id)
+            if tracked is None:
+                continue
+            new_tokens = len(req.output_token_ids) - len(tracked.detokenizer.token_ids)
+            if new_tokens > 0:
+                tracked.detokenizer.append(req.output_token_ids[-new_tokens:])
+                if tracked.detokenizer.stopped_by is not None and not req.is_finished:
+                    req.stop_reason = tracked.detokenizer.stopped_by
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if req.is_finished:
+                outputs.append(self._finish_output(tracked))
+            else:
+                outputs.append(self._make_output(tracked))
+        return outputs
+
+    def _make_output(self, tracked: _Tracked) -> RequestOutput:
+        req = tracked.request
+        finish = req.status.value if req.is_finished else None
+        return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                             token_ids=list(req.output_token_ids), text=tracked.detokenizer.text,
+                             finish_reason=finish, arrival_time=req.arrival_time,
+                             first_token_time=req.first_token_time, finish_time=req.finish_time,
+                             stop_reason=req.stop_reason)
+
+    def _finish_output(self, tracked: _Tracked) -> RequestOutput:
+        tracked.detokenizer.flush()
+        self._tracked.pop(tracked.request.request_id, None)
+        self.runner.forget_request(tracked.request.request_id)
+        return self._make_output(tracked)

@@ -1,0 +1,308 @@
+"""Continuous-batching scheduler: CPU-only bookkeeping, no torch.
+
+One rule covers chunked prefill and decode: every request tracks `num_computed_tokens`, and
+each step hands out a token budget, first to running requests, then to waiting ones, each
+getting `min(tokens not yet computed, budget left)`. A chunk that reaches the end of the
+request's known tokens samples one token. Prefix-cache hits (issue 5) will fit the same rule by
+starting a request with num_computed_tokens > 0.
+
+Order is (priority, arrival, admission order): lower priority value first. When KV blocks run
+out, the lowest-priority, latest-arrived running request is preempted by recompute: its blocks
+are freed, num_computed_tokens goes back to 0 (its output tokens are kept) and it waits again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from flashvlm.cache.block_manager import BlockManager
+from flashvlm.cache.encoder_cache import EncoderCacheManager
+from flashvlm.config import SchedulerConfig
+from flashvlm.engine.sched_output import ScheduledRequest, SchedulerOutput
+from flashvlm.request import Request, RequestStatus
+
+KV_CAPACITY_STOP_REASON = "kv_cache_capacity"
+"""stop_reason of a request aborted because its tokens exceed the whole KV cache."""
+
+_OrderKey = tuple[int, float, int]
+
+
+@dataclass
+class _StepState:
+    budget: int
+    num_new: dict[str, int] = field(default_factory=dict)
+    """request_id -> tokens this step; insertion order is batch order."""
+    preempted: set[str] = field(default_factory=set)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager,
+                 encoder_cache: EncoderCacheManager) -> None:
+        self.config = scheduler_config
+        self.block_manager = block_manager
+        self.encoder_cache = encoder_cache
+        self.requests: dict[str, Request] = {}
+        """Unfinished requests by id (waiting, preempted or running)."""
+        # Both queues stay sorted by _key, so the head of _waiting is next to admit and the tail
+        # of _running is the first preemption victim.
+        self._waiting: list[Request] = []
+        self._running: list[Request] = []
+        self._order: dict[str, _OrderKey] = {}
+        self._counter = itertools.count()
+        self._left_since_last_step: list[str] = []
+        # Requests the scheduler itself finished (KV capacity); update() reports them.
+        self._finished_unreported: list[Request] = []
+        self.num_preemptions_total = 0
+
+    # ---- queue state -------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def _key(self, req: Request) -> _OrderKey:
+        return self._order[req.request_id]
+
+    def _remove(self, queue: list[Request], req: Request) -> None:
+        # Keys are unique, so bisect finds the exact slot; avoids dataclass __eq__ on whole requests.
+        i = bisect.bisect_left(queue, self._key(req), key=self._key)
+        assert i < len(queue) and queue[i] is req, f"{req.request_id} is not in the expected queue"
+        del queue[i]
+
+    # ---- capacity ----------------------------------------------------------------------
+
+    def max_kv_tokens(self, req: Request) -> int:
+        """Most tokens of KV the request can ever hold: the last sampled token is never computed."""
+        final = req.num_prompt_tokens + req.sampling_params.max_tokens
+        if self.config.max_model_len > 0:
+            final = min(final, max(self.config.max_model_len, req.num_prompt_tokens + 1))
+        return final - 1
+
+    def can_ever_fit(self, req: Request) -> bool:
+        """False if the request would outgrow the whole KV cache; the engine rejects it at add time."""
+        bm = self.block_manager
+        return bm.blocks_for_tokens(self.max_kv_tokens(req)) <= bm.num_usable_blocks
+
+    def _never_fits_now(self, req: Request) -> bool:
+        # The next step needs KV for all tokens up to num_tokens; more than the cache: hopeless.
+        bm = self.block_manager
+        return bm.blocks_for_tokens(req.num_tokens) > bm.num_usable_blocks
+
+    # ---- request lifecycle -------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self._order[req.request_id] = (req.priority, req.arrival_time, next(self._counter))
+        bisect.insort(self._waiting, req, key=self._key)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       stop_reason: int | str | None = None) -> Request | None:
+        """Finish a request from outside (abort, stop string). None if unknown or already finished."""
+        if not status.finished:
+            raise ValueError(f"finish_request needs a finished status, got {status}")
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if stop_reason is not None:
+            req.stop_reason = stop_reason
+        self._finish(req, status)
+        return req
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        self._remove(self._running if req.status is RequestStatus.RUNNING else self._waiting, req)
+        self.block_manager.free(req.request_id)
+        self.encoder_cache.release_all(req.request_id)
+        req.status = status
+        req.finish_time = time.time()
+        del self.requests[req.request_id]
+        del self._order[req.request_id]
+        self._left_since_last_step.append(req.request_id)
+
+    def _abort_for_capacity(self, req: Request) -> None:
+        req.stop_reason = KV_CAPACITY_STOP_REASON
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self._finished_unreported.append(req)
+
+    def _preempt(self, req: Request, step: _StepState) -> None:
+        self._remove(self._running, req)
+        self.block_manager.free(req.request_id)
+        self.encoder_cache.release_all(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        # Original key: it goes back ahead of every later arrival of its priority.
+        bisect.insort(self._waiting, req, key=self._key)
+        # If it was already given tokens this step (waiting-phase victim), hand them back.
+        step.budget += step.num_new.pop(req.request_id, 0)
+        step.preempted.add(req.request_id)
+        self._left_since_last_step.append(req.request_id)
+
+    # ---- scheduling --------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        step = _StepState(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        # After a preemption the cache is full: admitting new work would only thrash.
+        if not step.preempted:
+            self._schedule_waiting(step)
+
+        bm = self.block_manager
+        scheduled = [ScheduledRequest(self.requests[rid], n, bm.get_block_ids(rid))
+                     for rid, n in step.num_new.items()]
+        # Encoder work is decided last, once preemptions are settled, so nothing has to be undone;
+        # issue 5's encoder budget can clip chunks here.
+        encoder_inputs = self._schedule_encoder_inputs(scheduled)
+        output = SchedulerOutput(
+            scheduled=scheduled,
+            encoder_inputs=encoder_inputs,
+            free_encoder_hashes=self.encoder_cache.pop_freeable(),
+            finished_request_ids=self._left_since_last_step,
+        )
+        self._left_since_last_step = []
+        return output
+
+    def _schedule_running(self, step: _StepState) -> None:
+        bm = self.block_manager
+        i = 0
+        while i < len(self._running) and step.budget > 0:
+            req = self._running[i]
+            if self._never_fits_now(req):
+                self._abort_for_capacity(req)
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
+            target = req.num_computed_tokens + num_new
+            preempted_self = False
+            while not bm.allocate_slots(req.request_id, target):
+                # The tail is never before i: everything before i already has its blocks.
+                victim = self._running[-1]
+                self._preempt(victim, step)
+                if victim is req:
+                    preempted_self = True
+                    break
+            if preempted_self:
+                break  # it was the tail, so nothing is left behind it
+            step.num_new[req.request_id] = num_new
+            step.budget -= num_new
+            i += 1
+
+    def _schedule_waiting(self, step: _StepState) -> None:
+        bm = self.block_manager
+        while self._waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
+            req = self._waiting[0]
+            if self._never_fits_now(req):
+                self._abort_for_capacity(req)
+                continue
+            if req.request_id in step.preempted:
+                break  # evicted this very step; strict FCFS keeps everyone behind it waiting too
+            num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
+            target = req.num_computed_tokens + num_new
+            if not bm.allocate_slots(req.request_id, target) and not self._make_room(req, target, step):
+                break  # no skipping ahead: later requests have equal or lower priority
+            self._waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self._running, req, key=self._key)
+            step.num_new[req.request_id] = num_new
+            step.budget -= num_new
+
+    def _make_room(self, req: Request, target: int, step: _StepState) -> bool:
+        """Preempt strictly-lower-priority running requests for req's blocks, if that is enough."""
+        bm = self.block_manager
+        lower = [r for r in self._running if r.priority > req.priority]
+        reclaimable = sum(bm.num_blocks_freed_by(r.request_id) for r in lower)
+        if bm.num_free_blocks + reclaimable < bm.num_new_blocks_needed(req.request_id, target):
+            return False  # would preempt for nothing
+        while not bm.allocate_slots(req.request_id, target):
+            if not self._running or self._running[-1].priority <= req.priority:
+                return False  # estimate was off (cannot happen without shared blocks); stay safe
+            self._preempt(self._running[-1], step)
+        return True
+
+    def _schedule_encoder_inputs(self, scheduled: list[ScheduledRequest]) -> dict[str, list[int]]:
+        enc = self.encoder_cache
+        inputs: dict[str, list[int]] = {}
+        for sr in scheduled:
+            req = sr.request
+            start, end = sr.start, sr.end
+            for idx, item in enumerate(req.mm_items):
+                if item.num_tokens <= 0 or item.offset >= end or item.end <= start:
+                    continue
+                if enc.holds(req.request_id, item.mm_hash):
+                    continue
+                # A hash another request (or an earlier item of this batch) registered is
+                # computed once; this request only takes a reference.
+                if enc.needs_encode(item.mm_hash):
+                    inputs.setdefault(req.request_id, []).append(idx)
+                enc.add(req.request_id, item.mm_hash, item.num_tokens)
+        return inputs
+
+    # ---- results -----------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply a step's results. Returns requests that got a token or finished (engine emits them)."""
+        live = [sr for sr in output.scheduled if sr.request.status is RequestStatus.RUNNING]
+        for sr in live:
+            if sr.samples and sr.request.request_id not in sampled:
+                raise ValueError(f"no sampled token for request {sr.request.request_id!r}, "
+                                 "whose chunk reached the end of its tokens")
+        changed, self._finished_unreported = self._finished_unreported, []
+        for sr in live:
+            req = sr.request
+            samples = sr.samples  # read before num_computed_tokens moves
+            req.num_computed_tokens += sr.num_new_tokens
+            if req.mm_items:
+                self._release_passed_items(req)
+            # A token for a partial prefill chunk is meaningless; it is ignored.
+            if not samples:
+                continue
+            token = sampled[req.request_id]
+            req.output_token_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = time.time()
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status)
+            changed.append(req)
+        return changed
+
+    def _release_passed_items(self, req: Request) -> None:
+        done = req.num_computed_tokens
+        for mm_hash in self.encoder_cache.hashes_of(req.request_id):
+            # The same image may appear twice in one prompt: keep it until the last use is passed.
+            if all(it.end <= done for it in req.mm_items if it.mm_hash == mm_hash):
+                self.encoder_cache.release(req.request_id, mm_hash)
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        num_out = len(req.output_token_ids)
+        # min_tokens counts tokens before the stop token, as transformers' min_new_tokens does.
+        if num_out > sp.min_tokens:
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if num_out >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if 0 < self.config.max_model_len <= req.num_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

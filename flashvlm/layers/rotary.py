@@ -1,0 +1,63 @@
+"""Rotary position embeddings: 1-D RoPE (Llama) and multimodal M-RoPE (Qwen2-VL), half-rotation layout."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (tokens, heads, head_dim); cos/sin: (tokens, head_dim)."""
+    cos = cos.unsqueeze(-2)
+    sin = sin.unsqueeze(-2)
+    return x * cos + rotate_half(x) * sin
+
+
+def _inv_freq(head_dim: int, rope_parameters: dict) -> tuple[torch.Tensor, float]:
+    rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
+    theta = float(rope_parameters.get("rope_theta", 10000.0))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    if rope_type in ("default", "mrope"):
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / float(rope_parameters["factor"]), 1.0
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear)")
+
+
+class RotaryEmbedding(nn.Module):
+    """positions (tokens,) -> cos, sin (tokens, head_dim) in the query dtype."""
+
+    def __init__(self, head_dim: int, rope_parameters: dict) -> None:
+        super().__init__()
+        inv_freq, self.scaling = _inv_freq(head_dim, rope_parameters)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """positions (3, tokens) for (temporal, height, width); frequency band i takes its angle from axis
+    i % 3 over the `mrope_section` split of the half dimension."""
+
+    def __init__(self, head_dim: int, rope_parameters: dict) -> None:
+        super().__init__(head_dim, rope_parameters)
+        self.mrope_section = list(rope_parameters["mrope_section"])
+        if sum(self.mrope_section) != head_dim // 2:
+            raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 = {head_dim // 2}")
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0).expand(3, -1)
+        freqs = positions.float()[:, :, None] * self.inv_freq[None, None, :]  # (3, tokens, half)
+        chunks = freqs.split(self.mrope_section, dim=-1)
+        freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(chunks)], dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)

@@ -1,0 +1,110 @@
+"""Offline facade: `LLM(model).generate(prompts)` and `LLM(model).chat(messages)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from flashvlm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from flashvlm.engine.engine import Engine
+from flashvlm.processing.input_processor import ProcessedPrompt
+from flashvlm.request import InvalidRequestError, RequestOutput, SamplingParams
+
+
+class LLM:
+    """A vision-language model loaded from a Hugging Face checkpoint folder.
+
+    With `model=None` the embedded default (a tiny Qwen2-VL-architecture model) is used.
+    `kv_cache_tokens` fixes the KV capacity; otherwise on GPU the cache takes what
+    `gpu_memory_utilization` leaves after weights and the profiled activation peak.
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
+                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 gpu_memory_utilization: float = 0.9, kv_cache_tokens: int | None = None, block_size: int = 16,
+                 seed: int = 0, load_format: str = "auto", attention_backend: str = "reference") -> None:
+        if model is None:
+            from flashvlm.models.default import default_model_path
+
+            model = str(default_model_path())
+        config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, load_format=load_format, seed=seed,
+                              max_model_len=max_model_len),
+            cache=CacheConfig(block_size=block_size, kv_cache_tokens=kv_cache_tokens,
+                              gpu_memory_utilization=gpu_memory_utilization),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            device=device, attention_backend=attention_backend)
+        self.engine = Engine(config)
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | dict | Sequence[str | dict],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: Sequence[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """A prompt is text, `{"prompt": text, "images": [...]}` or `{"prompt_token_ids": [...], "images": [...]}`;
+        text carries one image placeholder per image (e.g. <|vision_start|><|image_pad|><|vision_end|>)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        processed = [self.engine.process_prompt(p) for p in prompts]
+        return self._run(processed, sampling_params, priority, use_tqdm)
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template: str | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """OpenAI-style messages (one conversation or a list of them); content parts `text`,
+        `image_url` ({"url": data URI or file path}) and `image` (PIL image, array, path or bytes)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        processed = [self.engine.process_chat(c, chat_template=chat_template) for c in conversations]
+        return self._run(processed, sampling_params, None, use_tqdm)
+
+    def _run(self, processed: list[ProcessedPrompt], sampling_params: Any, priority: Sequence[int] | None,
+             use_tqdm: bool) -> list[RequestOutput]:
+        n = len(processed)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * n
+        else:
+            params = list(sampling_params)
+            if len(params) != n:
+                raise InvalidRequestError(f"{len(params)} sampling params for {n} prompts")
+        if priority is not None and len(priority) != n:
+            raise InvalidRequestError(f"{len(priority)} priorities for {n} prompts")
+        for p in params:  # every prompt is checked before any is queued, so a bad one leaves nothing behind
+            if not isinstance(p, SamplingParams):
+                raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+            p.validate()
+        ids = []
+        try:
+            for i, (pp, sp) in enumerate(zip(processed, params)):
+                req = self.engine.add_processed(pp, sp, priority=priority[i] if priority else 0)
+                ids.append(req.request_id)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._drain(ids, use_tqdm)
+
+    def _drain(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        finals: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating", unit="req")
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        finals[out.request_id] = out
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in pending:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finals[i] for i in ids]

@@ -1,0 +1,102 @@
+"""The Llama-style decoder shared by Qwen2 (QKV bias, M-RoPE) and Llama (no bias, 1-D RoPE)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flashvlm.layers.activation import SiluAndMul, get_activation
+from flashvlm.layers.attention import ForwardContext, PagedAttention
+from flashvlm.layers.linear import MergedLinear
+from flashvlm.layers.norm import RMSNorm
+from flashvlm.layers.rotary import MRotaryEmbedding, RotaryEmbedding, apply_rotary
+from flashvlm.models.interfaces import KVCacheSpec
+
+# checkpoint projection name -> (packed module name, shard index)
+PACKED_PROJECTIONS = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg, layer_idx: int, qkv_bias: bool) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = _head_dim(cfg)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False) and qkv_bias)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj.split_output(self.qkv_proj(x))
+        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v, ctx))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act_and_mul = SiluAndMul() if act == "silu" else None
+        self.act = get_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.act_and_mul is not None:
+            return self.down_proj(self.act_and_mul(gate_up))
+        gate, up = self.gate_up_proj.split_output(gate_up)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int, qkv_bias: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DecoderAttention(cfg, layer_idx, qkv_bias)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act,
+                            bias=getattr(cfg, "mlp_bias", False))
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, cos, sin, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and final norm; `forward` takes embeddings so images can be spliced in."""
+
+    def __init__(self, cfg, qkv_bias: bool, mrope: bool) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, qkv_bias) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        rope.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        self.rotary = MRotaryEmbedding(_head_dim(cfg), rope) if mrope else RotaryEmbedding(_head_dim(cfg), rope)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(self.cfg.num_hidden_layers, self.cfg.num_key_value_heads, _head_dim(self.cfg))
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        cos, sin = self.rotary(positions, inputs_embeds.dtype)
+        h, residual = inputs_embeds, None
+        for layer in self.layers:
+            h, residual = layer(h, residual, cos, sin, ctx)
+        h, _ = self.norm(h, residual)
+        return h

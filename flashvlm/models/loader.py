@@ -1,0 +1,128 @@
+"""Loading a Hugging Face checkpoint folder: config, weights, tokenizer, chat template, processor and
+generation defaults."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashvlm.config import ConfigError, ModelConfig
+from flashvlm.models.interfaces import VLModel
+from flashvlm.models.registry import resolve_model_class
+from flashvlm.models.weight_utils import check_all_loaded, init_dummy_weights, iterate_checkpoint
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Checkpoint:
+    """Everything read from a checkpoint folder except the weights."""
+
+    path: Path
+    hf_config: Any
+    tokenizer: Any
+    chat_template: str | None
+    preprocessor_config: dict
+    generation_defaults: dict = field(default_factory=dict)
+
+    @property
+    def model_type(self) -> str:
+        return self.hf_config.model_type
+
+    @property
+    def text_config(self) -> Any:
+        return getattr(self.hf_config, "text_config", self.hf_config)
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return int(getattr(self.text_config, "max_position_embeddings", 4096))
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids: list[int] = []
+        for source in (self.generation_defaults.get("eos_token_id"), getattr(self.text_config, "eos_token_id", None),
+                       self.tokenizer.eos_token_id):
+            if source is None:
+                continue
+            for i in source if isinstance(source, (list, tuple)) else [source]:
+                if i not in ids:
+                    ids.append(int(i))
+        return tuple(ids)
+
+
+def read_checkpoint(model_config: ModelConfig) -> Checkpoint:
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = Path(model_config.model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} is not a Hugging Face checkpoint folder (no config.json); "
+                          "flashvlm loads local folders only, never from a hub")
+    try:
+        hf_config = AutoConfig.from_pretrained(path, **model_config.hf_overrides)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"cannot parse {path / 'config.json'}: {e}") from e
+    resolve_model_class(getattr(hf_config, "architectures", None))  # fail fast on an unknown architecture
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return Checkpoint(path=path, hf_config=hf_config, tokenizer=tokenizer,
+                      chat_template=_find_chat_template(path, tokenizer),
+                      preprocessor_config=_read_json(path / "preprocessor_config.json"),
+                      generation_defaults=_read_json(path / "generation_config.json"))
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _find_chat_template(path: Path, tokenizer: Any) -> str | None:
+    """chat_template.jinja, then chat_template.json, then tokenizer_config.json (via the tokenizer)."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    if (path / "chat_template.json").is_file():
+        template = _read_json(path / "chat_template.json").get("chat_template")
+        if template:
+            return template
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: take the default one
+        template = template.get("default") or next(iter(template.values()), None)
+    return template
+
+
+def resolve_dtype(model_config: ModelConfig, hf_config: Any, device: str) -> torch.dtype:
+    if model_config.dtype != "auto":
+        return _DTYPES[model_config.dtype]
+    if device.startswith("cpu"):
+        return torch.float32
+    text_config = getattr(hf_config, "text_config", hf_config)
+    dtype = getattr(hf_config, "dtype", None) or getattr(text_config, "dtype", None) or torch.bfloat16
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype, torch.bfloat16)
+    return dtype if dtype in _DTYPES.values() else torch.bfloat16
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(model_config: ModelConfig, checkpoint: Checkpoint, device: str, dtype: torch.dtype) -> VLModel:
+    cls = resolve_model_class(getattr(checkpoint.hf_config, "architectures", None))
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(checkpoint.hf_config)
+    if model_config.load_format == "dummy":
+        init_dummy_weights(model, model_config.seed)
+    else:
+        filled = model.load_weights((name, t.to(device)) for name, t in iterate_checkpoint(checkpoint.path))
+        check_all_loaded(model, filled)
+    return model.eval()

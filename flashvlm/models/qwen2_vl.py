@@ -1,0 +1,162 @@
+"""Qwen2-VL and Qwen2.5-VL: native-resolution ViT -> patch merger -> Qwen2 decoder with M-RoPE.
+
+The two families differ only in the vision tower; the text side, weight naming and position rules
+are shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashvlm.layers.attention import ForwardContext
+from flashvlm.models.decoder import PACKED_PROJECTIONS, DecoderModel
+from flashvlm.models.interfaces import KVCacheSpec, VLModel
+from flashvlm.models.vision.qwen_vit import (
+    QWEN_VIT_PACKED_PROJECTIONS,
+    Grid,
+    Qwen2_5VisionTower,
+    Qwen2VisionTower,
+    QwenVisionTower,
+)
+from flashvlm.models.weight_utils import load_params
+from flashvlm.request import MMItem
+
+# load_params matches packed projections by name component anywhere in a name, so the vision tower's
+# packing must agree with the decoder's on every shared component (gate_proj/up_proj).
+_PACKED = {**PACKED_PROJECTIONS, **QWEN_VIT_PACKED_PROJECTIONS}
+if any(PACKED_PROJECTIONS.get(k, v) != v for k, v in QWEN_VIT_PACKED_PROJECTIONS.items()):
+    raise RuntimeError("Qwen ViT and decoder packed projections disagree")
+
+# (checkpoint prefix, our prefix), first match wins: transformers >= 4.52 names (model.visual.*,
+# model.language_model.*) and the older ones most hub checkpoints still carry (visual.*, model.*).
+_PREFIXES = (
+    ("model.visual.", "visual."),
+    ("visual.", "visual."),
+    ("model.language_model.", "language_model."),
+    ("model.", "language_model."),
+)
+
+
+def _token_id(cfg, name: str) -> int:
+    value = getattr(cfg, name, None)
+    if value is None:
+        value = getattr(getattr(cfg, "text_config", None), name, None)
+    if value is None:
+        raise ValueError(f"Qwen-VL config has no {name}")
+    return int(value)
+
+
+class Qwen2VLForConditionalGeneration(VLModel):
+    uses_mrope = True
+    vision_tower_cls: type[QwenVisionTower] = Qwen2VisionTower
+
+    def __init__(self, hf_config) -> None:
+        super().__init__()
+        text_cfg, vision_cfg = hf_config.text_config, hf_config.vision_config
+        self.config = hf_config
+        self.image_token_id = _token_id(hf_config, "image_token_id")
+        self.vision_start_token_id = _token_id(hf_config, "vision_start_token_id")
+        self.spatial_merge_size = int(vision_cfg.spatial_merge_size)
+        self.visual = self.vision_tower_cls(vision_cfg)
+        if self.visual.out_features != text_cfg.hidden_size:
+            raise ValueError(f"vision tower yields {self.visual.out_features}-wide tokens, "
+                             f"the language model is {text_cfg.hidden_size} wide")
+        self.language_model = DecoderModel(text_cfg, qkv_bias=True, mrope=True)
+        # transformers copies a text-config tie flag up to the top level; read both for older configs.
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False)
+                                        or getattr(text_cfg, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else \
+            nn.Linear(text_cfg.hidden_size, text_cfg.vocab_size, bias=False)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return self.language_model.kv_cache_spec()
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_tokens(input_ids)
+
+    def _grid(self, item: MMItem) -> Grid:
+        if item.grid_thw is None:
+            raise ValueError(f"image {item.mm_hash}: Qwen-VL needs grid_thw")
+        t, h, w = (int(x) for x in item.grid_thw)
+        grid = (t, h, w)
+        expected = self.visual.tokens_per_image(grid)
+        if item.num_tokens != expected:
+            raise ValueError(f"image {item.mm_hash}: {item.num_tokens} placeholder tokens, "
+                             f"grid {grid} yields {expected}")
+        return grid
+
+    def encode_images(self, items: list[MMItem]) -> list[torch.Tensor]:
+        if not items:
+            return []
+        grids = [self._grid(item) for item in items]
+        weight = self.visual.patch_embed.proj.weight
+        pixels = torch.cat([torch.as_tensor(item.pixel_values) for item in items])
+        pixels = pixels.to(device=weight.device, dtype=weight.dtype, non_blocking=True)
+        features = self.visual(pixels, grids)
+        return list(features.split([item.num_tokens for item in items]))
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        return self.language_model(inputs_embeds, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return F.linear(hidden, self.language_model.embed_tokens.weight)
+        return self.lm_head(hidden)
+
+    def prompt_positions(self, prompt_token_ids: list[int],
+                         mm_items: list[MMItem]) -> tuple[torch.Tensor, int]:
+        """M-RoPE positions as transformers' get_rope_index computes them for images.
+
+        Text advances all three axes together. An image's tokens take (t, h, w) coordinates over its
+        merged grid, each axis offset by the position after the preceding text; the text after it
+        resumes at that offset + max(grid h, grid w). Images have t = 1, so Qwen2.5-VL's temporal
+        scaling (videos only) never applies."""
+        length = len(prompt_token_ids)
+        segments: list[torch.Tensor] = []
+        cursor, pos = 0, 0
+        for item in sorted(mm_items, key=lambda it: it.offset):
+            t, h, w = self._grid(item)
+            if item.offset < cursor or item.end > length:
+                raise ValueError(f"image {item.mm_hash}: placeholders [{item.offset}, {item.end}) overlap "
+                                 f"another image or run past the prompt ({length} tokens)")
+            text_len = item.offset - cursor
+            segments.append(torch.arange(text_len).expand(3, -1) + pos)
+            pos += text_len
+            gh, gw = h // self.spatial_merge_size, w // self.spatial_merge_size
+            axes = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
+            segments.append(torch.stack(axes).reshape(3, -1) + pos)
+            pos += max(gh, gw)
+            cursor = item.end
+        segments.append(torch.arange(length - cursor).expand(3, -1) + pos)
+        positions = torch.cat(segments, dim=1)
+        if length == 0:
+            return positions, 0
+        return positions, int(positions.max()) + 1 - length
+
+    def _param_name(self, ckpt_name: str) -> str | None:
+        if ckpt_name.startswith("lm_head."):
+            # A tied checkpoint may still carry a copy of the embedding; ours reads the embedding.
+            return None if self.lm_head is None else ckpt_name
+        for src, dst in _PREFIXES:
+            if ckpt_name.startswith(src):
+                return dst + ckpt_name[len(src):]
+        return None
+
+    def _prepare(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            target = self._param_name(name)
+            if target is not None and target.startswith("visual."):
+                tensor = self.visual.load_transform(target[len("visual."):], tensor)
+            yield name, tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_params(self, self._prepare(weights), self._param_name, packed=_PACKED)
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    vision_tower_cls = Qwen2_5VisionTower

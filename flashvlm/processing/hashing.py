@@ -1,0 +1,44 @@
+"""Content hash of an image: the key of the encoder cache and part of the KV prefix-block hash.
+
+The hash covers the decoded pixels (not the encoded file), so the same picture given as a path,
+bytes, a data URI or a PIL image hashes the same, and it covers the processor parameters, so the
+same picture resized differently (other min/max pixels) never shares cached embeddings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from PIL import Image
+
+__all__ = ["hash_image"]
+
+# Bump when the hashed layout changes so stale persisted keys can never collide with new ones.
+_HASH_VERSION = b"flashvlm-image-v1"
+
+
+def _canonical(value: Any) -> Any:
+    """Map params to JSON-stable values (tuples -> lists, numpy scalars -> Python numbers)."""
+    if isinstance(value, Mapping):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        return value.item()
+    return value
+
+
+def hash_image(img: Image.Image, processor_params: Mapping[str, Any]) -> str:
+    """Hex blake2b-256 digest over mode, size, raw pixel bytes and sorted-JSON processor params."""
+    h = hashlib.blake2b(digest_size=32)
+    h.update(_HASH_VERSION)
+    params = json.dumps(_canonical(processor_params), sort_keys=True, separators=(",", ":"))
+    # Length-prefix each variable-size field so no two different inputs concatenate to the same bytes.
+    for part in (img.mode.encode(), f"{img.width}x{img.height}".encode(), params.encode()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    h.update(img.tobytes())
+    return h.hexdigest()

@@ -1,0 +1,194 @@
+"""From a user prompt (text or token ids, plus images) to a `Request`: decode and preprocess images,
+hash them, tokenize, and expand each image placeholder to as many tokens as the image yields."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flashvlm.models.loader import Checkpoint
+from flashvlm.processing.hashing import hash_image
+from flashvlm.processing.images import load_image
+from flashvlm.processing.preprocess import ClipImageProcessor, QwenImageProcessor, get_image_processor
+from flashvlm.request import InvalidRequestError, MMItem
+
+_IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt_token_ids: list[int]
+    mm_items: list[MMItem]
+
+
+class InputProcessor:
+    """Owns the tokenizer, chat template and image processor of one model."""
+
+    def __init__(self, checkpoint: Checkpoint, vocab_size: int, image_token_id: int,
+                 max_images_per_prompt: int = 16) -> None:
+        self.checkpoint = checkpoint
+        self.tokenizer = checkpoint.tokenizer
+        self.vocab_size = vocab_size
+        self.image_token_id = image_token_id
+        self.max_images_per_prompt = max_images_per_prompt
+        self.image_processor = get_image_processor(checkpoint.preprocessor_config, checkpoint.model_type)
+        self._image_token = self.tokenizer.convert_ids_to_tokens(image_token_id)
+
+    # ---- prompts -------------------------------------------------------------------------------
+    def process(self, prompt: str | dict[str, Any], mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
+        if isinstance(prompt, str):
+            prompt = {"prompt": prompt}
+        if not isinstance(prompt, dict):
+            raise InvalidRequestError(f"a prompt must be a str or a dict, got {type(prompt).__name__}")
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "images", "image", "mm_processor_kwargs"}
+        if unknown:
+            raise InvalidRequestError(f"unknown prompt field(s): {sorted(unknown)}")
+        images = prompt.get("images", prompt.get("image", []))
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        kwargs = {**(mm_processor_kwargs or {}), **(prompt.get("mm_processor_kwargs") or {})}
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, Sequence) or isinstance(ids, str) or not all(isinstance(i, int) for i in ids):
+                raise InvalidRequestError("prompt_token_ids must be a list of integers")
+            token_ids = list(ids)
+        elif "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise InvalidRequestError("prompt must be a string")
+            token_ids = self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
+        else:
+            raise InvalidRequestError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+        return self._attach_images(token_ids, images, kwargs)
+
+    def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
+                     chat_template: str | None = None, add_generation_prompt: bool = True) -> ProcessedPrompt:
+        """OpenAI-style messages: content is a string or a list of parts (text, image_url, image)."""
+        template = chat_template or self.checkpoint.chat_template
+        if template is None:
+            raise InvalidRequestError("this model has no chat template; use generate() with a raw prompt")
+        templated, images = self.normalize_messages(messages)
+        text = self.tokenizer.apply_chat_template(templated, chat_template=template, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return self._attach_images(token_ids, images, mm_processor_kwargs or {})
+
+    @staticmethod
+    def normalize_messages(messages: Any) -> tuple[list[dict], list[Any]]:
+        """Messages with image parts reduced to {"type": "image"} (what chat templates test for),
+        and the image sources in order of appearance."""
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list")
+        out, images = [], []
+        for i, msg in enumerate(messages):
+            if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+                raise InvalidRequestError(f"messages[{i}] must be an object with 'role' and 'content'")
+            content = msg["content"]
+            if isinstance(content, str) or content is None:
+                out.append({"role": msg["role"], "content": content or ""})
+                continue
+            if not isinstance(content, list):
+                raise InvalidRequestError(f"messages[{i}].content must be a string or a list of parts")
+            parts = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text":
+                    if not isinstance(part.get("text"), str):
+                        raise InvalidRequestError(f"messages[{i}].content[{j}]: text part needs a 'text' string")
+                    parts.append({"type": "text", "text": part["text"]})
+                elif kind in _IMAGE_PART_TYPES:
+                    images.append(_image_source(part, f"messages[{i}].content[{j}]"))
+                    parts.append({"type": "image"})
+                else:
+                    raise InvalidRequestError(f"messages[{i}].content[{j}]: unsupported content part type "
+                                              f"{kind!r} (supported: text, image_url, image)")
+            out.append({"role": msg["role"], "content": parts})
+        return out, images
+
+    # ---- images --------------------------------------------------------------------------------
+    def _attach_images(self, token_ids: list[int], images: list[Any], kwargs: dict) -> ProcessedPrompt:
+        if len(images) > self.max_images_per_prompt:
+            raise InvalidRequestError(f"{len(images)} images in one prompt; the limit is {self.max_images_per_prompt}")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        items = [self._preprocess(src, kwargs, i) for i, src in enumerate(images)]
+        return ProcessedPrompt(self._expand_placeholders(token_ids, items), items)
+
+    def _preprocess(self, src: Any, kwargs: dict, index: int) -> MMItem:
+        try:
+            img = load_image(src)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"image {index}: {e}") from None
+        proc = self.image_processor
+        if isinstance(proc, QwenImageProcessor):
+            unknown = set(kwargs) - {"min_pixels", "max_pixels"}
+            if unknown:
+                raise InvalidRequestError(f"unknown mm_processor_kwargs {sorted(unknown)} (min_pixels, max_pixels)")
+            lo, hi = kwargs.get("min_pixels"), kwargs.get("max_pixels")
+            pixels, grid = proc.preprocess(img, min_pixels=lo, max_pixels=hi)
+            params = proc.processor_params(lo, hi)
+            num_tokens = proc.num_image_tokens(grid)
+        elif isinstance(proc, ClipImageProcessor):
+            if kwargs:
+                raise InvalidRequestError(f"this model takes no mm_processor_kwargs, got {sorted(kwargs)}")
+            pixels, grid, params = proc.preprocess(img), None, proc.processor_params()
+            cfg = self.checkpoint.hf_config
+            num_tokens = proc.num_image_tokens(cfg.vision_config.patch_size, cfg.vision_feature_select_strategy)
+        else:  # pragma: no cover - get_image_processor only returns the two above
+            raise TypeError(type(proc))
+        return MMItem(mm_hash=hash_image(img, params), pixel_values=pixels, num_tokens=num_tokens,
+                      grid_thw=grid, image_size=(img.width, img.height))
+
+    def _expand_placeholders(self, token_ids: list[int], items: list[MMItem]) -> list[int]:
+        """One placeholder token per image is expanded; prompts already expanded are accepted as they are."""
+        tok = self.image_token_id
+        runs = _runs_of(token_ids, tok)
+        n = len(items)
+        if len(runs) == n and all(length == item.num_tokens for (_, length), item in zip(runs, items)):
+            for (start, _), item in zip(runs, items):
+                item.offset = start
+            return token_ids
+        if len(runs) != n or any(length != 1 for _, length in runs):
+            count = token_ids.count(tok)
+            raise InvalidRequestError(
+                f"prompt has {count} image placeholder token(s) {self._image_token!r} but {n} image(s) were given; "
+                "put one placeholder per image (or the fully expanded count)")
+        out: list[int] = []
+        previous = 0
+        for (start, _), item in zip(runs, items):
+            out.extend(token_ids[previous:start])
+            item.offset = len(out)
+            out.extend([tok] * item.num_tokens)
+            previous = start + 1
+        out.extend(token_ids[previous:])
+        return out
+
+
+def _runs_of(ids: list[int], tok: int) -> list[tuple[int, int]]:
+    runs, i = [], 0
+    while i < len(ids):
+        if ids[i] == tok:
+            j = i
+            while j < len(ids) and ids[j] == tok:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def _image_source(part: dict, where: str) -> Any:
+    if part.get("type") == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str) or not url:
+            raise InvalidRequestError(f"{where}: image_url part needs image_url.url (a data URI or a file path)")
+        if url.startswith(("http://", "https://")):
+            raise InvalidRequestError(f"{where}: http(s) image URLs are not fetched; send a data URI")
+        return url
+    src = part.get("image", part.get("image_url"))
+    if src is None:
+        raise InvalidRequestError(f"{where}: image part has no 'image'")
+    return src

@@ -1,0 +1,160 @@
+"""Request-level data: sampling parameters, multimodal items, engine-side request state, outputs."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; the message names the problem. Other requests are unaffected."""
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0) disables top-k."""
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"invalid sampling parameter: {msg}")
+
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0.0:
+            raise bad(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0.0:
+            raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad(f"seed must be an integer, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop must be a list of non-empty strings")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be non-negative integers")
+
+
+@dataclass
+class MMItem:
+    """One preprocessed image of a request, with where its placeholder tokens sit in the prompt."""
+
+    mm_hash: str
+    """Content hash of decoded pixels + size + processor parameters; the key of the caches."""
+    pixel_values: Any
+    """Model-ready tensor: (patches, C*T*P*P) for Qwen, (C, H, W) for CLIP."""
+    offset: int = 0
+    """Index of the first placeholder token in the prompt."""
+    num_tokens: int = 0
+    """Number of placeholder tokens (= embeddings the vision tower yields)."""
+    grid_thw: tuple[int, int, int] | None = None
+    """Qwen only: (t, h, w) in patches."""
+    image_size: tuple[int, int] = (0, 0)
+    """Original (width, height), for reporting."""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class Request:
+    """Engine-side request state. The scheduler owns it; the runner only reads it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    mm_items: list[MMItem] = field(default_factory=list)
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.time)
+    eos_token_ids: tuple[int, ...] = ()
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    """'stop' | 'length' | 'abort', None while running."""
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    num_cached_tokens: int = 0
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time

@@ -1,0 +1,107 @@
+"""Flat per-step input tensors built from a SchedulerOutput, on the host with numpy, then moved at once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flashvlm.attention.base import AttentionMetadata
+from flashvlm.engine.sched_output import SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    """(N,) int64"""
+    positions: torch.Tensor
+    """(N,) or (3, N) int64"""
+    attn_meta: AttentionMetadata
+    sample_rows: torch.Tensor
+    """(S,) indices into the flat batch of the last token of each request that samples this step."""
+    sample_request_ids: list[str]
+
+
+class PositionStore:
+    """Per-request prompt positions (computed once per request by the model) and the rope delta."""
+
+    def __init__(self) -> None:
+        self._prompt: dict[str, np.ndarray] = {}
+        self._delta: dict[str, int] = {}
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._prompt
+
+    def put(self, request_id: str, prompt_positions: torch.Tensor, delta: int) -> None:
+        self._prompt[request_id] = prompt_positions.cpu().numpy().astype(np.int64)
+        self._delta[request_id] = int(delta)
+
+    def drop(self, request_id: str) -> None:
+        self._prompt.pop(request_id, None)
+        self._delta.pop(request_id, None)
+
+    def slice(self, request_id: str, start: int, end: int) -> np.ndarray:
+        """Positions of tokens [start, end): prompt positions, then index + delta for generated tokens."""
+        prompt = self._prompt[request_id]
+        prompt_len = prompt.shape[-1]
+        parts = []
+        if start < prompt_len:
+            parts.append(prompt[..., start:min(end, prompt_len)])
+        if end > prompt_len:
+            generated = np.arange(max(start, prompt_len), end, dtype=np.int64) + self._delta[request_id]
+            parts.append(np.broadcast_to(generated, (*prompt.shape[:-1], generated.shape[0])))
+        return np.concatenate(parts, axis=-1)
+
+
+def build_step_inputs(out: SchedulerOutput, positions: PositionStore, block_size: int,
+                      device: torch.device) -> StepInputs:
+    scheduled = out.scheduled
+    counts = [s.num_new_tokens for s in scheduled]
+    query_start = np.zeros(len(scheduled) + 1, dtype=np.int64)
+    np.cumsum(counts, out=query_start[1:])
+    total = int(query_start[-1])
+    ids = np.empty(total, dtype=np.int64)
+    slots = np.empty(total, dtype=np.int64)
+    pos_parts = []
+    max_blocks = max(len(s.block_ids) for s in scheduled)
+    block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
+    seq_lens, context_lens, sample_rows, sample_ids = [], [], [], []
+    for i, s in enumerate(scheduled):
+        req, a, b = s.request, s.start, s.end
+        lo, hi = int(query_start[i]), int(query_start[i + 1])
+        ids[lo:hi] = _token_slice(req.prompt_token_ids, req.output_token_ids, a, b)
+        table = np.asarray(s.block_ids, dtype=np.int64)
+        token_index = np.arange(a, b)
+        slots[lo:hi] = table[token_index // block_size] * block_size + token_index % block_size
+        block_tables[i, : len(table)] = table
+        pos_parts.append(positions.slice(req.request_id, a, b))
+        seq_lens.append(b)
+        context_lens.append(a)
+        if s.samples:
+            sample_rows.append(hi - 1)
+            sample_ids.append(req.request_id)
+    pos = np.concatenate(pos_parts, axis=-1)
+
+    def dev(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(x)).to(device=device, dtype=dtype, non_blocking=True)
+
+    meta = AttentionMetadata(
+        query_start_loc=dev(query_start, torch.int32), seq_lens=dev(np.asarray(seq_lens), torch.int32),
+        context_lens=dev(np.asarray(context_lens), torch.int32), block_tables=dev(block_tables, torch.int32),
+        slot_mapping=dev(slots, torch.int64), block_size=block_size,
+        query_start_loc_host=query_start.tolist(), seq_lens_host=seq_lens, max_query_len=max(counts),
+        max_seq_len=max(seq_lens))
+    return StepInputs(input_ids=dev(ids, torch.int64), positions=dev(pos, torch.int64), attn_meta=meta,
+                      sample_rows=dev(np.asarray(sample_rows, dtype=np.int64), torch.int64),
+                      sample_request_ids=sample_ids)
+
+
+def _token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    """Tokens [start, end) of prompt + output without concatenating the two lists every step."""
+    n = len(prompt)
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return output[start - n:end - n]
+    return prompt[start:] + output[:end - n]

@@ -1,0 +1,190 @@
+"""Owns the device side: the model, the KV cache, image embeddings in flight, and one step's execution."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from flashvlm.attention.base import get_backend
+from flashvlm.config import EngineConfig
+from flashvlm.engine.sched_output import SchedulerOutput
+from flashvlm.layers.attention import ForwardContext
+from flashvlm.models.interfaces import VLModel
+from flashvlm.request import MMItem, Request
+from flashvlm.runner.inputs import PositionStore, build_step_inputs
+from flashvlm.runner.sampler import Sampler, make_generator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTimings:
+    """Seconds spent in each stage of the last step (device work synchronized at the end of the step)."""
+
+    vision: float = 0.0
+    forward: float = 0.0
+    num_images: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: VLModel, dtype: torch.dtype) -> None:
+        self.config = config
+        self.model = model
+        self.dtype = dtype
+        self.device = torch.device(config.device)
+        self.block_size = config.cache.block_size
+        self.backend = get_backend(config.attention_backend)
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+        self.positions = PositionStore()
+        self.encoder_outputs: dict[str, torch.Tensor] = {}
+        self.generators: dict[str, torch.Generator | None] = {}
+        self.last_timings = StepTimings()
+        self.record_logits = False
+        """Test hook: keep the logits of every sampled row in `recorded_logits`, by request id."""
+        self.recorded_logits: dict[str, list[torch.Tensor]] = {}
+
+    # ---- KV cache ------------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        spec = self.model.kv_cache_spec()
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * spec.num_layers * self.block_size * spec.num_kv_heads * spec.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        """From kv_cache_tokens if given; else on CUDA from gpu_memory_utilization after profiling."""
+        cache = self.config.cache
+        if cache.kv_cache_tokens is not None:
+            return cache.kv_cache_tokens // self.block_size + 1  # +1: block 0 is the null block
+        if self.device.type != "cuda":
+            sched = self.config.scheduler
+            tokens = sched.max_model_len * min(sched.max_num_seqs, 8)
+            return tokens // self.block_size + 2
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = self.profile_peak_memory()
+        budget = total * cache.gpu_memory_utilization - (total - free) - peak
+        num_blocks = int(budget // self.kv_bytes_per_block())
+        if num_blocks < 2:
+            raise RuntimeError(f"no memory left for the KV cache: {total / 2**30:.1f} GiB total, "
+                               f"{(total - free) / 2**30:.1f} GiB in use, activation peak {peak / 2**30:.1f} GiB; "
+                               "raise gpu_memory_utilization or lower max_num_batched_tokens")
+        logger.info("KV cache: %d blocks (%d tokens), activation peak %.2f GiB", num_blocks,
+                    num_blocks * self.block_size, peak / 2**30)
+        return num_blocks
+
+    def profile_peak_memory(self) -> int:
+        """Activation peak of a forward over a full token budget, measured on a throwaway KV cache."""
+        n = self.config.scheduler.max_num_batched_tokens
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        from flashvlm.testing.harness import single_sequence_prefill_context
+
+        ctx = single_sequence_prefill_context(n, self.model.kv_cache_spec(), self.dtype, self.device,
+                                              self.block_size)
+        kv_bytes = sum(t.numel() * t.element_size() for t in ctx.kv_caches)
+        with torch.inference_mode():
+            embeds = self.model.embed_tokens(torch.zeros(n, dtype=torch.long, device=self.device))
+            positions = torch.zeros((3, n) if self.model.uses_mrope else (n,), dtype=torch.long, device=self.device)
+            hidden = self.model(embeds, positions, ctx)
+            self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base - kv_bytes
+        del ctx, embeds, hidden
+        torch.cuda.empty_cache()
+        return int(peak * 1.1)  # headroom for fragmentation and the vision tower
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        spec = self.model.kv_cache_spec()
+        self.kv_caches = [torch.zeros(2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
+                                      dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
+
+    # ---- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Run one scheduled step; returns the sampled token of each request that reached its end."""
+        self.release(out)
+        timings = StepTimings()
+        for s in out.scheduled:
+            req = s.request
+            if not self.positions.has(req.request_id):
+                pos, delta = self.model.prompt_positions(req.prompt_token_ids, req.mm_items)
+                self.positions.put(req.request_id, pos, delta)
+            if req.request_id not in self.generators:
+                self.generators[req.request_id] = make_generator(req.sampling_params.seed, self.device)
+        t0 = time.perf_counter()
+        self._encode_images(out)
+        if out.encoder_inputs and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        timings.vision = time.perf_counter() - t0
+        timings.num_images = sum(len(v) for v in out.encoder_inputs.values())
+
+        t0 = time.perf_counter()
+        inputs = build_step_inputs(out, self.positions, self.block_size, self.device)
+        embeds = self.model.embed_tokens(inputs.input_ids)
+        self._splice_image_embeddings(out, embeds)
+        ctx = ForwardContext(attn_meta=inputs.attn_meta, kv_caches=self.kv_caches, backend=self.backend)
+        hidden = self.model(embeds, inputs.positions, ctx)
+        if not inputs.sample_request_ids:
+            self.last_timings = timings
+            return {}
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+        by_id = {s.request.request_id: s.request for s in out.scheduled}
+        reqs = [by_id[r] for r in inputs.sample_request_ids]
+        if self.record_logits:
+            for r, row in zip(inputs.sample_request_ids, logits):
+                self.recorded_logits.setdefault(r, []).append(row.float().cpu())
+        tokens = self.sampler(
+            logits, [r.sampling_params for r in reqs],
+            [r.all_token_ids if r.sampling_params.repetition_penalty != 1.0 else () for r in reqs],
+            [len(r.output_token_ids) for r in reqs], [r.eos_token_ids for r in reqs],
+            [self.generators.get(r.request_id) for r in reqs])
+        sampled = dict(zip(inputs.sample_request_ids, tokens.tolist()))  # the step's one host sync
+        timings.forward = time.perf_counter() - t0
+        self.last_timings = timings
+        return sampled
+
+    def release(self, out: SchedulerOutput) -> None:
+        for h in out.free_encoder_hashes:
+            self.encoder_outputs.pop(h, None)
+        for rid in out.finished_request_ids:
+            self.positions.drop(rid)
+
+    def forget_request(self, request_id: str) -> None:
+        """Called by the engine once a request has finished. Generators outlive preemption, so that a
+        seeded request's draw sequence does not restart when it is recomputed."""
+        self.generators.pop(request_id, None)
+        self.positions.drop(request_id)
+
+    def _encode_images(self, out: SchedulerOutput) -> None:
+        if not out.encoder_inputs:
+            return
+        by_id = {s.request.request_id: s.request for s in out.scheduled}
+        items: list[MMItem] = []
+        for rid, indices in out.encoder_inputs.items():
+            req: Request = by_id[rid]
+            for i in indices:
+                item = req.mm_items[i]
+                if item.mm_hash not in self.encoder_outputs and all(x.mm_hash != item.mm_hash for x in items):
+                    items.append(item)
+        if not items:
+            return
+        for item, emb in zip(items, self.model.encode_images(items)):
+            if emb.shape[0] != item.num_tokens:
+                raise RuntimeError(f"vision tower gave {emb.shape[0]} embeddings for an image with "
+                                   f"{item.num_tokens} placeholders")
+            self.encoder_outputs[item.mm_hash] = emb
+
+    def _splice_image_embeddings(self, out: SchedulerOutput, embeds: torch.Tensor) -> None:
+        row = 0
+        for s in out.scheduled:
+            a, b = s.start, s.end
+            for item in s.request.mm_items:
+                lo, hi = max(a, item.offset), min(b, item.end)
+                if lo < hi:
+                    emb = self.encoder_outputs[item.mm_hash]
+                    embeds[row + lo - a: row + hi - a] = emb[lo - item.offset: hi - item.offset].to(embeds.dtype)
+            row += b - a

@@ -1,0 +1,131 @@
+"""Engine vs transformers on the same tiny checkpoints (float32, CPU): greedy tokens and first-step logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flashvlm import LLM, SamplingParams
+from flashvlm.testing.tiny_checkpoints import build_llava, build_qwen2_vl
+
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava"]
+PLACEHOLDER = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>\n"}
+MAX_TOKENS = 10
+
+
+def _image(w: int, h: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+class Family:
+    """A tiny checkpoint of one family, its transformers reference, and helpers to run both."""
+
+    def __init__(self, name: str, path) -> None:
+        from transformers import (
+            AutoConfig,
+            LlavaForConditionalGeneration,
+            Qwen2_5_VLForConditionalGeneration,
+            Qwen2VLForConditionalGeneration,
+        )
+
+        self.name, self.path = name, str(path)
+        cls = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+               "llava": LlavaForConditionalGeneration}[name]
+        self.hf = cls.from_pretrained(self.path, dtype=torch.float32).eval()
+        self.config = AutoConfig.from_pretrained(self.path)
+
+    def prompt(self, text: str, n_images: int, sizes=((56, 112), (140, 84))) -> dict:
+        images = [_image(*sizes[i % len(sizes)], seed=i + len(text)) for i in range(n_images)]
+        return {"prompt": PLACEHOLDER[self.name] * n_images + text, "images": images}
+
+    def hf_inputs(self, llm: LLM, prompt: dict) -> dict:
+        processed = llm.engine.process_prompt(prompt)
+        ids = torch.tensor([processed.prompt_token_ids])
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        items = processed.mm_items
+        if items and self.name == "llava":
+            inputs["pixel_values"] = torch.stack([it.pixel_values for it in items])
+        elif items:
+            inputs["pixel_values"] = torch.cat([it.pixel_values for it in items])
+            inputs["image_grid_thw"] = torch.tensor([it.grid_thw for it in items])
+            inputs["mm_token_type_ids"] = (ids == llm.engine.model.image_token_id).long()
+        return inputs
+
+    @torch.inference_mode()
+    def hf_generate(self, llm: LLM, prompt: dict, params: SamplingParams) -> tuple[list[int], torch.Tensor]:
+        from transformers import GenerationConfig
+
+        inputs = self.hf_inputs(llm, prompt)
+        first_logits = self.hf(**inputs).logits[0, -1]
+        eos = set() if params.ignore_eos else set(llm.engine.eos_token_ids)
+        config = GenerationConfig(max_new_tokens=params.max_tokens, do_sample=False,
+                                  eos_token_id=sorted(eos) or None, pad_token_id=0)
+        out = self.hf.generate(**inputs, generation_config=config)
+        tokens = out[0, inputs["input_ids"].shape[1]:].tolist()
+        for i, t in enumerate(tokens):
+            if t in eos:
+                return tokens[: i + 1], first_logits
+        return tokens, first_logits
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory) -> Family:
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "llava":
+        build_llava(path, seed=3)
+    else:
+        build_qwen2_vl(path, qwen25=request.param == "qwen2_5_vl", seed=3)
+    return Family(request.param, path)
+
+
+def _llm(family: Family, **kw) -> LLM:
+    kw.setdefault("kv_cache_tokens", 4096)
+    return LLM(family.path, device="cpu", dtype="float32", **kw)
+
+
+def _check(family: Family, llm: LLM, prompts: list[dict], params: SamplingParams | None = None) -> list:
+    llm.engine.runner.record_logits = True
+    llm.engine.runner.recorded_logits.clear()
+    params = params or SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        expected, hf_logits = family.hf_generate(llm, prompt, params)
+        assert out.token_ids == expected, f"{family.name}: ours {out.token_ids} != transformers {expected}"
+        ours = llm.engine.runner.recorded_logits[out.request_id][0]
+        assert (ours - hf_logits).abs().max().item() <= 1e-4
+    return outs
+
+
+def test_single_image(family: Family) -> None:
+    _check(family, _llm(family), [family.prompt("Describe the image.", 1)])
+
+
+def test_two_images_non_square(family: Family) -> None:
+    _check(family, _llm(family), [family.prompt("Compare them.", 2, sizes=((56, 112), (140, 84)))])
+
+
+def test_text_only(family: Family) -> None:
+    _check(family, _llm(family), [{"prompt": "How many triangles are in the picture?"}])
+
+
+def test_mixed_batch_of_eight(family: Family) -> None:
+    texts = ["Hi.", "What colour is the shape?", "The quick brown fox jumps over the lazy dog. " * 3, "yes no"]
+    prompts = [family.prompt(texts[i % 4], n_images=i % 3, sizes=((56, 56), (84, 140), (112, 56)))
+               for i in range(8)]
+    _check(family, _llm(family), prompts)
+
+
+def test_chunked_prefill(family: Family) -> None:
+    prompts = [family.prompt("Describe both pictures in detail.", 2), family.prompt("Short.", 1)]
+    _check(family, _llm(family, max_num_batched_tokens=16), prompts)
+
+
+def test_preemption(family: Family) -> None:
+    prompts = [family.prompt(f"Question number {i}: what is shown?", 1, sizes=((84, 84),)) for i in range(6)]
+    # 6 blocks of 16 tokens: one request alone fits (< 64 tokens), two growing side by side do not.
+    llm = _llm(family, kv_cache_tokens=96, block_size=16, max_num_batched_tokens=64)
+    _check(family, llm, prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    assert llm.engine.scheduler.num_preemptions_total > 0
+    assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.scheduler.block_manager.num_usable_blocks
