@@ -159,11 +159,18 @@ def run_transformers(path: str) -> None:
 
 
 def main() -> None:
-    tiny_parity()
+    import traceback
+
     path = str(write_benchmark_model("qwen2-vl-7b", tempfile.mkdtemp()))
-    run_ours(path)
+    stages = [tiny_parity, lambda: run_ours(path)]
     if "--no-baseline" not in sys.argv:
-        run_transformers(path)
+        stages.append(lambda: run_transformers(path))
+    for stage in stages:  # one failing stage must not hide the others' numbers
+        try:
+            stage()
+        except Exception:
+            RESULTS.setdefault("errors", []).append(traceback.format_exc()[-2000:])
+            traceback.print_exc()
     with open(os.path.join(OUT, "gpu_smoke.json"), "w") as f:
         json.dump(RESULTS, f, indent=1)
     log(json.dumps(RESULTS, indent=1))

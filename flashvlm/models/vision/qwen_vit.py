@@ -35,7 +35,7 @@ def vision_position_ids(grids: Sequence[Grid], merge: int, device: torch.device)
         hh = torch.arange(h, device=device).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
         ww = torch.arange(w, device=device).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
         # (h/m, m, w/m, m) -> (h/m, w/m, m, m): the order the processor emits patches in
-        pos = torch.stack([ww.transpose(1, 2).flatten(), hh.transpose(1, 2).flatten()], dim=-1)
+        pos = torch.stack([hh.transpose(1, 2).flatten(), ww.transpose(1, 2).flatten()], dim=-1)
         out.append(pos.repeat(t, 1))
     return torch.cat(out)
 
@@ -270,7 +270,7 @@ class Qwen2_5VisionTower(QwenVisionTower):
         x, pos = x[patch_order], pos[patch_order]
         cu_full = frame_cu_seqlens(grids)
         full = self.full_attention_layers
-        merged = self._run_blocks(x, pos, lambda i: cu_full if i in full else cu_windows)
+        merged = self._run_blocks(x, pos, lambda i: cu_full)
         out = torch.empty_like(merged)
         out[order] = merged  # back to raster merge-block order, matching the prompt's placeholders
         return out
