@@ -270,7 +270,7 @@ class Qwen2_5VisionTower(QwenVisionTower):
         x, pos = x[patch_order], pos[patch_order]
         cu_full = frame_cu_seqlens(grids)
         full = self.full_attention_layers
-        merged = self._run_blocks(x, pos, lambda i: cu_full)
+        merged = self._run_blocks(x, pos, lambda i: cu_full if i in full else cu_windows)
         out = torch.empty_like(merged)
         out[order] = merged  # back to raster merge-block order, matching the prompt's placeholders
         return out
