@@ -120,10 +120,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduler step; returns an output for every request that got tokens or finished."""
         out = self.scheduler.schedule()
+        # An empty step still goes through update(): it reports requests the scheduler ended itself.
+        sampled = self.runner.execute(out) if not out.is_empty else {}
         if out.is_empty:
             self.runner.release(out)
-            return []
-        sampled = self.runner.execute(out)
         changed = self.scheduler.update(out, sampled)
         outputs = []
         for req in changed:

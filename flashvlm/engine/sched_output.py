@@ -14,19 +14,14 @@ class ScheduledRequest:
     """Tokens computed this step, starting at request.num_computed_tokens."""
     block_ids: list[int]
     """The request's whole block table after allocation for this step."""
-
-    @property
-    def start(self) -> int:
-        return self.request.num_computed_tokens
+    start: int
+    """request.num_computed_tokens when the step was scheduled (frozen: update() advances the request)."""
+    samples: bool
+    """Whether this step reaches the end of the request's known tokens, so a token is sampled."""
 
     @property
     def end(self) -> int:
-        return self.request.num_computed_tokens + self.num_new_tokens
-
-    @property
-    def samples(self) -> bool:
-        """A token is sampled only when this step reaches the end of the request's known tokens."""
-        return self.end == self.request.num_tokens
+        return self.start + self.num_new_tokens
 
 
 @dataclass

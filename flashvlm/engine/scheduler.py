@@ -167,8 +167,11 @@ class Scheduler:
             self._schedule_waiting(step)
 
         bm = self.block_manager
-        scheduled = [ScheduledRequest(self.requests[rid], n, bm.get_block_ids(rid))
-                     for rid, n in step.num_new.items()]
+        scheduled = []
+        for rid, n in step.num_new.items():
+            req = self.requests[rid]
+            start = req.num_computed_tokens
+            scheduled.append(ScheduledRequest(req, n, bm.get_block_ids(rid), start, start + n == req.num_tokens))
         # Encoder work is decided last, once preemptions are settled, so nothing has to be undone;
         # issue 5's encoder budget can clip chunks here.
         encoder_inputs = self._schedule_encoder_inputs(scheduled)
@@ -246,10 +249,8 @@ class Scheduler:
             for idx, item in enumerate(req.mm_items):
                 if item.num_tokens <= 0 or item.offset >= end or item.end <= start:
                     continue
-                if enc.holds(req.request_id, item.mm_hash):
-                    continue
-                # A hash another request (or an earlier item of this batch) registered is
-                # computed once; this request only takes a reference.
+                # A hash already registered (by another request, an earlier chunk or an earlier
+                # item of this batch) is computed once; add() then only takes a reference.
                 if enc.needs_encode(item.mm_hash):
                     inputs.setdefault(req.request_id, []).append(idx)
                 enc.add(req.request_id, item.mm_hash, item.num_tokens)

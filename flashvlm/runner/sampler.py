@@ -218,6 +218,8 @@ class Sampler:
         if k_max <= _PARTIAL_SORT_MAX_K:
             # Every row keeps at most k_max tokens, so only those need ordering: topk is far
             # cheaper than sorting a 150k vocabulary. Rows with a smaller k mask the rest below.
+            # (A logit exactly tied with the k_max-th one but left out of the window escapes
+            # top-p; transformers splits such ties by sort order, so neither is canonical.)
             sorted_logits, sorted_idx = logits.topk(k_max, dim=-1)
         else:
             sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)

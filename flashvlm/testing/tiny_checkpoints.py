@@ -74,15 +74,21 @@ def _legacy_qwen_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
-def _save(model, tokenizer, path: Path, preprocessor: dict, legacy_layout: bool, shard_size: str | None) -> Path:
+def _save(model, tokenizer, path: Path, preprocessor: dict, legacy_layout: bool | None, shard_size: str | None) -> Path:
+    """legacy_layout None: what save_pretrained writes; True/False: rewrite a single safetensors file in
+    the pre-4.52 Qwen layout (visual.*, model.*) or the in-memory layout (model.visual.*,
+    model.language_model.*), so tests cover both."""
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, max_shard_size=shard_size or "2GB")
-    if legacy_layout:
+    if legacy_layout is not None:
         from safetensors.torch import save_file
 
         for f in path.glob("model*.safetensors*"):
             f.unlink()
-        state = {k: v.contiguous() for k, v in _legacy_qwen_layout(model.state_dict()).items()}
+        state = model.state_dict()
+        if legacy_layout:
+            state = _legacy_qwen_layout(state)
+        state = {k: v.contiguous() for k, v in state.items()}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -105,7 +111,7 @@ def qwen_preprocessor_config(min_pixels: int, max_pixels: int, qwen25: bool = Fa
 
 def build_qwen2_vl(path: str | Path, *, qwen25: bool = False, seed: int = 0, hidden: int = 64,
                    layers: int = 2, vision_depth: int = 2, tie_word_embeddings: bool = False,
-                   legacy_layout: bool = False, shard_size: str | None = None,
+                   legacy_layout: bool | None = None, shard_size: str | None = None,
                    min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 64,
                    dtype: torch.dtype = torch.float32) -> Path:
     """A tiny Qwen2-VL (or Qwen2.5-VL) checkpoint with seeded random weights."""
@@ -175,7 +181,7 @@ def build_llava(path: str | Path, *, seed: int = 0, hidden: int = 64, layers: in
                     "do_center_crop": True, "crop_size": {"height": image_size, "width": image_size},
                     "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
                     "image_mean": CLIP_MEAN, "image_std": CLIP_STD, "do_convert_rgb": True}
-    return _save(model, tokenizer, Path(path), preprocessor, False, shard_size)
+    return _save(model, tokenizer, Path(path), preprocessor, None, shard_size)
 
 
 def _mrope_section(head_dim: int) -> list[int]:

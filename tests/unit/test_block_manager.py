@@ -1,4 +1,4 @@
-"""BlockManager: paged KV block bookkeeping (no torch, no model)."""
+"""cache/ bookkeeping: BlockManager (paged KV blocks) and EncoderCacheManager (no torch, no model)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import random
 import pytest
 
 from flashvlm.cache.block_manager import NULL_BLOCK_ID, BlockManager
+from flashvlm.cache.encoder_cache import EncoderCacheManager
 
 
 def test_rejects_too_few_blocks() -> None:
@@ -151,3 +152,22 @@ def test_no_leaks_after_random_alloc_free() -> None:
     assert bm.num_free_blocks == 64
     assert bm.usage == 0.0
     bm.check_invariants()
+
+
+def test_encoder_cache_manager_refcounts() -> None:
+    enc = EncoderCacheManager()
+    assert enc.needs_encode("h")
+    enc.add("a", "h", 5)
+    enc.add("b", "h", 5)
+    assert not enc.needs_encode("h") and enc.num_entries == 1 and enc.num_cached_tokens == 5
+    assert enc.release("a", "h") == []
+    assert enc.release("a", "h") == []  # double release is harmless
+    assert enc.release_all("b") == ["h"]
+    enc.add("c", "h", 5)  # revived before eviction: still held, no re-encode
+    assert enc.pop_freeable() == [] and not enc.needs_encode("h")
+    assert enc.release_all("c") == ["h"]
+    assert enc.pop_freeable() == ["h"] and enc.needs_encode("h") and enc.num_entries == 0
+    with pytest.raises(ValueError):
+        enc.add("d", "z", 3)
+        enc.add("e", "z", 4)
+    enc.check_invariants()
