@@ -51,18 +51,22 @@ class LLM:
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             chat_template: str | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+             chat_template: str | None = None, mm_processor_kwargs: dict | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
         """OpenAI-style messages (one conversation or a list of them); content parts `text`,
         `image_url` ({"url": data URI or file path}) and `image` (PIL image, array, path or bytes)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        processed = [self.engine.process_chat(c, chat_template=chat_template) for c in conversations]
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        processed = [self.engine.process_chat(c, chat_template=chat_template, mm_processor_kwargs=mm_processor_kwargs)
+                     for c in conversations]
         return self._run(processed, sampling_params, None, use_tqdm)
 
     def _run(self, processed: list[ProcessedPrompt], sampling_params: Any, priority: Sequence[int] | None,
              use_tqdm: bool) -> list[RequestOutput]:
         n = len(processed)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * n
+            params = [sampling_params or self.engine.default_sampling_params()] * n
         else:
             params = list(sampling_params)
             if len(params) != n:

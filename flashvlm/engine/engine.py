@@ -66,6 +66,21 @@ class Engine:
                     config.cache.block_size, self.load_time)
 
     # ---- requests ------------------------------------------------------------------------------
+    def default_sampling_params(self) -> SamplingParams:
+        """The checkpoint's generation_config.json sampling defaults (as transformers applies them)."""
+        gen = self.checkpoint.generation_defaults
+        kwargs: dict[str, Any] = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p",
+                                                     "repetition_penalty") if gen.get(k) is not None}
+        if gen.get("do_sample") is False:
+            kwargs["temperature"] = 0.0
+        if kwargs.get("top_k") == 0:
+            kwargs["top_k"] = -1
+        try:
+            return SamplingParams(**kwargs)
+        except InvalidRequestError:
+            logger.warning("ignoring invalid sampling defaults in generation_config.json: %s", kwargs)
+            return SamplingParams()
+
     def process_prompt(self, prompt: str | dict[str, Any]) -> ProcessedPrompt:
         return self.input_processor.process(prompt)
 
@@ -75,7 +90,7 @@ class Engine:
     def add_processed(self, processed: ProcessedPrompt, sampling_params: SamplingParams | None = None,
                       request_id: str | None = None, priority: int = 0,
                       arrival_time: float | None = None) -> Request:
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.validate()
