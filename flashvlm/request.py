@@ -119,6 +119,28 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_reason: int | str | None = None
+    # Stage accounting for latency attribution (seconds); see Request.stage_times().
+    preprocess_s: float = 0.0
+    first_scheduled_time: float | None = None
+    vision_s: float = 0.0
+    detokenize_s: float = 0.0
+
+    def stage_times(self) -> dict[str, float]:
+        """E2E split into consecutive stages that add up to finish - arrival:
+        preprocess, queue (ready -> first scheduled), vision (encoder time of its images),
+        prefill (rest of first scheduled -> first token), decode (first token -> finish, less
+        detokenize), detokenize (host time turning its tokens into text)."""
+        if self.first_token_time is None or self.finish_time is None or self.first_scheduled_time is None:
+            return {}
+        ready = self.arrival_time + self.preprocess_s
+        return {
+            "preprocess": self.preprocess_s,
+            "queue": max(0.0, self.first_scheduled_time - ready),
+            "vision": self.vision_s,
+            "prefill": max(0.0, self.first_token_time - self.first_scheduled_time - self.vision_s),
+            "decode": max(0.0, self.finish_time - self.first_token_time - self.detokenize_s),
+            "detokenize": self.detokenize_s,
+        }
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -150,6 +172,8 @@ class RequestOutput:
     finish_time: float | None
     num_cached_tokens: int = 0
     stop_reason: int | str | None = None
+    stages: dict[str, float] = field(default_factory=dict)
+    """Seconds per pipeline stage, filled when the request finishes (see Request.stage_times)."""
 
     @property
     def finished(self) -> bool:

@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from flashvlm.engine.stats import StepRecord
+
+__all__ = ["STAGES", "BenchRequest", "RequestRecord", "StepRecord", "ScenarioResult"]
+
 STAGES = ("queue", "preprocess", "vision", "prefill", "decode", "detokenize")
 """Pipeline stages of one request, in order; the per-stage breakdown reports these."""
 
@@ -58,25 +62,6 @@ class RequestRecord:
         d = asdict(self)
         d["tpot"] = self.tpot
         return d
-
-
-@dataclass
-class StepRecord:
-    """One engine step: its size and where the time went (GPU times from CUDA events)."""
-
-    num_seqs: int
-    num_tokens: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_images: int
-    host_s: float
-    """Host time of the whole step (schedule + inputs + launch + sync + update)."""
-    vision_s: float
-    forward_s: float
-    """Device time of the language-model forward and sampling."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass

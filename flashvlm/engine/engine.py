@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,21 +15,21 @@ from flashvlm.cache.encoder_cache import EncoderCacheManager
 from flashvlm.config import EngineConfig
 from flashvlm.engine.detokenizer import IncrementalDetokenizer
 from flashvlm.engine.scheduler import Scheduler
+from flashvlm.engine.stats import StepRecord
 from flashvlm.models.loader import load_model, read_checkpoint, resolve_dtype
 from flashvlm.processing.input_processor import InputProcessor, ProcessedPrompt
 from flashvlm.request import InvalidRequestError, Request, RequestOutput, RequestStatus, SamplingParams
-from flashvlm.runner.model_runner import ModelRunner
+from flashvlm.runner.model_runner import ModelRunner, StepTimings
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class _Tracked:
-    """Engine-side output state of one request: its detokenizer and timing marks."""
+    """Engine-side output state of one request."""
 
     request: Request
     detokenizer: IncrementalDetokenizer
-    stage_times: dict[str, float] = field(default_factory=dict)
 
 
 class Engine:
@@ -60,6 +60,8 @@ class Engine:
         self.tokenizer = self.checkpoint.tokenizer
         self.eos_token_ids = self.checkpoint.eos_token_ids()
         self._tracked: dict[str, _Tracked] = {}
+        self.step_log: list[StepRecord] | None = None
+        """Set to a list to record every step (benchmarks); None costs nothing."""
         self._ids = itertools.count()
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, loaded in %.1fs",
                     self.checkpoint.path.name, config.device, self.dtype, num_blocks,
@@ -107,8 +109,8 @@ class Engine:
                                       "(the prompt plus at least one generated token must fit)")
         req = Request(request_id=request_id, prompt_token_ids=processed.prompt_token_ids,
                       sampling_params=params, mm_items=processed.mm_items, priority=priority,
-                      arrival_time=arrival_time if arrival_time is not None else time.time(),
-                      eos_token_ids=self.eos_token_ids)
+                      arrival_time=arrival_time if arrival_time is not None else processed.arrival_time,
+                      eos_token_ids=self.eos_token_ids, preprocess_s=processed.preprocess_s)
         if not self.scheduler.can_ever_fit(req):
             raise InvalidRequestError(f"prompt of {n} tokens needs more KV cache than the engine has "
                                       f"({self.config.cache.num_blocks - 1} blocks of {self.config.cache.block_size})")
@@ -134,11 +136,21 @@ class Engine:
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step; returns an output for every request that got tokens or finished."""
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        now = time.time()
+        for s in out.scheduled:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
         # An empty step still goes through update(): it reports requests the scheduler ended itself.
         sampled = self.runner.execute(out) if not out.is_empty else {}
         if out.is_empty:
             self.runner.release(out)
+        timings = self.runner.last_timings if not out.is_empty else StepTimings()
+        if timings.num_images:
+            by_id = {s.request.request_id: s.request for s in out.scheduled}
+            for rid in out.encoder_inputs:
+                by_id[rid].vision_s += timings.vision_s
         changed = self.scheduler.update(out, sampled)
         outputs = []
         for req in changed:
@@ -147,7 +159,9 @@ class Engine:
                 continue
             new_tokens = len(req.output_token_ids) - len(tracked.detokenizer.token_ids)
             if new_tokens > 0:
+                t_detok = time.perf_counter()
                 tracked.detokenizer.append(req.output_token_ids[-new_tokens:])
+                req.detokenize_s += time.perf_counter() - t_detok
                 if tracked.detokenizer.stopped_by is not None and not req.is_finished:
                     req.stop_reason = tracked.detokenizer.stopped_by
                     self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
@@ -155,6 +169,13 @@ class Engine:
                 outputs.append(self._finish_output(tracked))
             else:
                 outputs.append(self._make_output(tracked))
+        if self.step_log is not None and not out.is_empty:
+            decode = sum(1 for s in out.scheduled if s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens)
+            prefill = out.total_num_scheduled_tokens - decode
+            self.step_log.append(StepRecord(
+                num_seqs=len(out.scheduled), num_tokens=out.total_num_scheduled_tokens, num_prefill_tokens=prefill,
+                num_decode_tokens=out.total_num_scheduled_tokens - prefill, num_images=timings.num_images,
+                host_s=time.perf_counter() - t0, vision_s=timings.vision_s, forward_s=timings.forward_s))
         return outputs
 
     def _make_output(self, tracked: _Tracked) -> RequestOutput:
@@ -167,7 +188,12 @@ class Engine:
                              stop_reason=req.stop_reason)
 
     def _finish_output(self, tracked: _Tracked) -> RequestOutput:
+        t0 = time.perf_counter()
         tracked.detokenizer.flush()
-        self._tracked.pop(tracked.request.request_id, None)
-        self.runner.forget_request(tracked.request.request_id)
-        return self._make_output(tracked)
+        req = tracked.request
+        req.detokenize_s += time.perf_counter() - t0
+        self._tracked.pop(req.request_id, None)
+        self.runner.forget_request(req.request_id)
+        output = self._make_output(tracked)
+        output.stages = req.stage_times()
+        return output

@@ -3,8 +3,9 @@ hash them, tokenize, and expand each image placeholder to as many tokens as the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flashvlm.models.loader import Checkpoint
@@ -20,6 +21,10 @@ _IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 class ProcessedPrompt:
     prompt_token_ids: list[int]
     mm_items: list[MMItem]
+    arrival_time: float = field(default_factory=time.time)
+    """When processing began: the request's arrival as the user sees it."""
+    preprocess_s: float = 0.0
+    """Host time spent decoding and preprocessing images, templating and tokenizing."""
 
 
 class InputProcessor:
@@ -37,6 +42,14 @@ class InputProcessor:
 
     # ---- prompts -------------------------------------------------------------------------------
     def process(self, prompt: str | dict[str, Any], mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
+        return _timed(self._process, prompt, mm_processor_kwargs)
+
+    def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
+                     chat_template: str | None = None, add_generation_prompt: bool = True) -> ProcessedPrompt:
+        """OpenAI-style messages: content is a string or a list of parts (text, image_url, image)."""
+        return _timed(self._process_chat, messages, mm_processor_kwargs, chat_template, add_generation_prompt)
+
+    def _process(self, prompt: str | dict[str, Any], mm_processor_kwargs: dict | None) -> ProcessedPrompt:
         if isinstance(prompt, str):
             prompt = {"prompt": prompt}
         if not isinstance(prompt, dict):
@@ -61,9 +74,8 @@ class InputProcessor:
             raise InvalidRequestError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
         return self._attach_images(token_ids, images, kwargs)
 
-    def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
-                     chat_template: str | None = None, add_generation_prompt: bool = True) -> ProcessedPrompt:
-        """OpenAI-style messages: content is a string or a list of parts (text, image_url, image)."""
+    def _process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None, chat_template: str | None,
+                      add_generation_prompt: bool) -> ProcessedPrompt:
         template = chat_template or self.checkpoint.chat_template
         if template is None:
             raise InvalidRequestError("this model has no chat template; use generate() with a raw prompt")
@@ -163,6 +175,14 @@ class InputProcessor:
             previous = start + 1
         out.extend(token_ids[previous:])
         return out
+
+
+def _timed(fn, *args) -> ProcessedPrompt:
+    arrival, t0 = time.time(), time.perf_counter()
+    processed = fn(*args)
+    processed.arrival_time = arrival
+    processed.preprocess_s = time.perf_counter() - t0
+    return processed
 
 
 def _runs_of(ids: list[int], tok: int) -> list[tuple[int, int]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -22,12 +22,41 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepTimings:
-    """Seconds spent in each stage of the last step (device work synchronized at the end of the step)."""
+    """Where the last step's time went. Device work is timed with CUDA events on GPU (read after the
+    step's one host sync, so timing adds no sync), with host clocks on CPU."""
 
-    vision: float = 0.0
-    forward: float = 0.0
+    vision_s: float = 0.0
+    forward_s: float = 0.0
+    """Embedding, language-model forward, logits and sampling."""
     num_images: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
+
+
+class _Timer:
+    """A start/stop pair of CUDA events, or host clock readings on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start_event = torch.cuda.Event(enable_timing=True)
+            self.end_event = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.cuda:
+            self.start_event.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.end_event.record()
+        else:
+            self.t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        """Call only after the device work has finished (after the step's host sync)."""
+        if self.cuda:
+            return self.start_event.elapsed_time(self.end_event) / 1e3
+        return self.t1 - self.t0
 
 
 class ModelRunner:
@@ -44,6 +73,8 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self.generators: dict[str, torch.Generator | None] = {}
         self.last_timings = StepTimings()
+        self._vision_timer = _Timer(self.device)
+        self._forward_timer = _Timer(self.device)
         self.record_logits = False
         """Test hook: keep the logits of every sampled row in `recorded_logits`, by request id."""
         self.recorded_logits: dict[str, list[torch.Tensor]] = {}
@@ -107,7 +138,6 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Run one scheduled step; returns the sampled token of each request that reached its end."""
         self.release(out)
-        timings = StepTimings()
         for s in out.scheduled:
             req = s.request
             if not self.positions.has(req.request_id):
@@ -115,36 +145,39 @@ class ModelRunner:
                 self.positions.put(req.request_id, pos, delta)
             if req.request_id not in self.generators:
                 self.generators[req.request_id] = make_generator(req.sampling_params.seed, self.device)
-        t0 = time.perf_counter()
-        self._encode_images(out)
-        if out.encoder_inputs and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        timings.vision = time.perf_counter() - t0
-        timings.num_images = sum(len(v) for v in out.encoder_inputs.values())
+        num_images = 0
+        if out.encoder_inputs:
+            self._vision_timer.start()
+            num_images = self._encode_images(out)
+            self._vision_timer.stop()
 
-        t0 = time.perf_counter()
+        self._forward_timer.start()
         inputs = build_step_inputs(out, self.positions, self.block_size, self.device)
         embeds = self.model.embed_tokens(inputs.input_ids)
         self._splice_image_embeddings(out, embeds)
         ctx = ForwardContext(attn_meta=inputs.attn_meta, kv_caches=self.kv_caches, backend=self.backend)
         hidden = self.model(embeds, inputs.positions, ctx)
-        if not inputs.sample_request_ids:
-            self.last_timings = timings
-            return {}
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
-        by_id = {s.request.request_id: s.request for s in out.scheduled}
-        reqs = [by_id[r] for r in inputs.sample_request_ids]
-        if self.record_logits:
-            for r, row in zip(inputs.sample_request_ids, logits):
-                self.recorded_logits.setdefault(r, []).append(row.float().cpu())
-        tokens = self.sampler(
-            logits, [r.sampling_params for r in reqs],
-            [r.all_token_ids if r.sampling_params.repetition_penalty != 1.0 else () for r in reqs],
-            [len(r.output_token_ids) for r in reqs], [r.eos_token_ids for r in reqs],
-            [self.generators.get(r.request_id) for r in reqs])
-        sampled = dict(zip(inputs.sample_request_ids, tokens.tolist()))  # the step's one host sync
-        timings.forward = time.perf_counter() - t0
-        self.last_timings = timings
+        sampled: dict[str, int] = {}
+        if inputs.sample_request_ids:
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+            by_id = {s.request.request_id: s.request for s in out.scheduled}
+            reqs = [by_id[r] for r in inputs.sample_request_ids]
+            if self.record_logits:
+                for r, row in zip(inputs.sample_request_ids, logits):
+                    self.recorded_logits.setdefault(r, []).append(row.float().cpu())
+            tokens = self.sampler(
+                logits, [r.sampling_params for r in reqs],
+                [r.all_token_ids if r.sampling_params.repetition_penalty != 1.0 else () for r in reqs],
+                [len(r.output_token_ids) for r in reqs], [r.eos_token_ids for r in reqs],
+                [self.generators.get(r.request_id) for r in reqs])
+            self._forward_timer.stop()
+            sampled = dict(zip(inputs.sample_request_ids, tokens.tolist()))  # the step's one host sync
+        else:
+            self._forward_timer.stop()
+            if self.device.type == "cuda":
+                self._forward_timer.end_event.synchronize()
+        self.last_timings = StepTimings(vision_s=self._vision_timer.seconds() if num_images else 0.0,
+                                        forward_s=self._forward_timer.seconds(), num_images=num_images)
         return sampled
 
     def release(self, out: SchedulerOutput) -> None:
@@ -159,9 +192,8 @@ class ModelRunner:
         self.generators.pop(request_id, None)
         self.positions.drop(request_id)
 
-    def _encode_images(self, out: SchedulerOutput) -> None:
-        if not out.encoder_inputs:
-            return
+    def _encode_images(self, out: SchedulerOutput) -> int:
+        """Encode the step's new images in one batched call; returns how many were encoded."""
         by_id = {s.request.request_id: s.request for s in out.scheduled}
         items: list[MMItem] = []
         for rid, indices in out.encoder_inputs.items():
@@ -171,12 +203,13 @@ class ModelRunner:
                 if item.mm_hash not in self.encoder_outputs and all(x.mm_hash != item.mm_hash for x in items):
                     items.append(item)
         if not items:
-            return
+            return 0
         for item, emb in zip(items, self.model.encode_images(items)):
             if emb.shape[0] != item.num_tokens:
                 raise RuntimeError(f"vision tower gave {emb.shape[0]} embeddings for an image with "
                                    f"{item.num_tokens} placeholders")
             self.encoder_outputs[item.mm_hash] = emb
+        return len(items)
 
     def _splice_image_embeddings(self, out: SchedulerOutput, embeds: torch.Tensor) -> None:
         row = 0

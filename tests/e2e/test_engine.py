@@ -160,3 +160,24 @@ def test_generation_config_defaults(ckpt, tmp_path) -> None:
     d = llm.engine.default_sampling_params()
     assert (d.temperature, d.top_p, d.top_k, d.repetition_penalty) == (0.7, 0.8, 20, 1.05)
     assert set(llm.engine.eos_token_ids) >= set(cfg["eos_token_id"])
+
+
+def test_stage_breakdown_adds_up(llm: LLM) -> None:
+    engine = llm.engine
+    engine.step_log = []
+    try:
+        outs = llm.generate([{"prompt": IMG + "Stages?", "images": [_array(112, 84, 9)]}, "text only"],
+                            _greedy(6, ignore_eos=True))
+    finally:
+        steps, engine.step_log = engine.step_log, None
+    for out in outs:
+        stages = out.stages
+        assert set(stages) == {"preprocess", "queue", "vision", "prefill", "decode", "detokenize"}
+        assert all(v >= 0 for v in stages.values())
+        e2e = out.finish_time - out.arrival_time
+        assert abs(sum(stages.values()) - e2e) < 0.05 * e2e + 1e-3
+    assert outs[0].stages["vision"] > 0 and outs[1].stages["vision"] == 0
+    assert outs[0].stages["preprocess"] > 0
+    assert sum(s.num_images for s in steps) == 1
+    assert sum(s.num_decode_tokens for s in steps) == 2 * 5  # the first token of each comes from prefill
+    assert all(s.forward_s > 0 and s.host_s >= s.forward_s for s in steps)
