@@ -57,6 +57,9 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="send the prompt as is (it must then carry one image placeholder per image)")
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine details and timings")
     _add_engine_args(gen)
+    from flashvlm.bench.cli import build_parser as build_bench_parser
+
+    build_bench_parser(sub)
     return parser
 
 
@@ -106,9 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     from flashvlm.request import InvalidRequestError
 
     try:
+        if args.command == "bench":
+            from flashvlm.bench.cli import run as run_bench
+
+            return run_bench(args)
         return _generate(args)
-    except (InvalidRequestError, ConfigError, MissingWeightError, UnsupportedModelError,
-            FileNotFoundError) as e:
+    except (InvalidRequestError, ConfigError, MissingWeightError, UnsupportedModelError, FileNotFoundError,
+            ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -64,4 +64,8 @@ def get_backend(name: str) -> AttentionBackend:
         from flashvlm.attention.reference import ReferenceBackend
 
         return ReferenceBackend()
-    raise ValueError(f"unknown attention backend {name!r} (available: reference)")
+    if name == "triton":
+        from flashvlm.attention.triton_backend import TritonBackend
+
+        return TritonBackend()
+    raise ValueError(f"unknown attention backend {name!r} (available: reference, triton)")

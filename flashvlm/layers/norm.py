@@ -5,6 +5,31 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flashvlm.kernels.dispatch import use_triton
+
+
+def rms_norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """The torch math (the CPU path, and the reference the fused kernel is tested against). The normalized
+    value is cast to the input dtype before the weight multiply, as transformers does."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(dtype)
+    return out if residual is None else (out, residual)
+
+
+def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
+                      enabled: bool | None = None, force: bool = False):
+    """RMSNorm(x [+ residual]): returns `out`, or `(out, x + residual)` when a residual is given."""
+    if use_triton(x, enabled, force) and (residual is None or residual.dtype == x.dtype):
+        from flashvlm.kernels.rmsnorm import rmsnorm_triton  # lazy: Triton loads on the first kernel call
+
+        return rmsnorm_triton(x, residual, weight, eps)
+    return rms_norm_reference(x, residual, weight, eps)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -14,11 +39,4 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`, adds it first and returns (normed, new_residual): the fused-kernel contract."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
-        return out if residual is None else (out, residual)
+        return fused_add_rmsnorm(x, residual, self.weight, self.eps)

@@ -5,17 +5,68 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flashvlm.kernels.dispatch import use_triton
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (tokens, heads, head_dim); cos/sin: (tokens, head_dim)."""
+def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (tokens, heads, head_dim); cos/sin: (tokens, head_dim). The torch math and the kernels' reference."""
     cos = cos.unsqueeze(-2)
     sin = sin.unsqueeze(-2)
     return x * cos + rotate_half(x) * sin
+
+
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype,
+                   mrope_section: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (tokens,), or (3, tokens) with `mrope_section` -> cos, sin (tokens, head_dim) in `dtype`.
+
+    M-RoPE: frequency band i takes its angle from axis i % 3 over the `mrope_section` split of the half
+    dimension; 1-D positions use the same position on every axis."""
+    if mrope_section is None:
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+    else:
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0).expand(3, -1)
+        freqs = positions.float()[:, :, None] * inv_freq[None, None, :]  # (3, tokens, half)
+        chunks = freqs.split(mrope_section, dim=-1)
+        freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(chunks)], dim=-1)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                 enabled: bool | None = None, force: bool = False) -> torch.Tensor:
+    """x: (tokens, heads, head_dim); cos/sin: (tokens, head_dim). Out of place."""
+    if (use_triton(x, enabled, force) and x.dim() == 3 and cos.shape == sin.shape == (x.shape[0], x.shape[2])
+            and x.shape[2] % 2 == 0):
+        from flashvlm.kernels.rotary import apply_rotary_triton  # lazy: Triton loads on the first kernel call
+
+        return apply_rotary_triton(x, cos, sin)
+    return apply_rotary_reference(x, cos, sin)
+
+
+def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                    scaling: float = 1.0, mrope_section: list[int] | None = None, *, inplace: bool = False,
+                    enabled: bool | None = None, force: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q (tokens, heads, head_dim) and k (tokens, kv_heads, head_dim) from positions; the kernel computes
+    cos/sin itself, so no (tokens, head_dim) tables are built. `inplace` writes into q and k."""
+    if use_triton(q, enabled, force) and (mrope_section is None or len(mrope_section) == 3):
+        from flashvlm.kernels.rotary import rotary_qk_triton
+
+        if inplace:
+            return rotary_qk_triton(q, k, positions, inv_freq, mrope_section, scaling, q_out=q, k_out=k)
+        return rotary_qk_triton(q, k, positions, inv_freq, mrope_section, scaling)
+    cos, sin = rotary_cos_sin(positions, inv_freq, scaling, q.dtype, mrope_section)
+    q_rot, k_rot = apply_rotary_reference(q, cos, sin), apply_rotary_reference(k, cos, sin)
+    if not inplace:
+        return q_rot, k_rot
+    q.copy_(q_rot)
+    k.copy_(k_rot)
+    return q, k
 
 
 def _inv_freq(head_dim: int, rope_parameters: dict) -> tuple[torch.Tensor, float]:
@@ -32,15 +83,20 @@ def _inv_freq(head_dim: int, rope_parameters: dict) -> tuple[torch.Tensor, float
 class RotaryEmbedding(nn.Module):
     """positions (tokens,) -> cos, sin (tokens, head_dim) in the query dtype."""
 
+    mrope_section: list[int] | None = None  # set by MRotaryEmbedding
+
     def __init__(self, head_dim: int, rope_parameters: dict) -> None:
         super().__init__()
         inv_freq, self.scaling = _inv_freq(head_dim, rope_parameters)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        return rotary_cos_sin(positions, self.inv_freq, self.scaling, dtype, self.mrope_section)
+
+    def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                  inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused alternative to `forward` + `apply_rotary` on q and k (cos/sin computed inside the kernel)."""
+        return apply_rotary_qk(q, k, positions, self.inv_freq, self.scaling, self.mrope_section, inplace=inplace)
 
 
 class MRotaryEmbedding(RotaryEmbedding):
@@ -52,12 +108,3 @@ class MRotaryEmbedding(RotaryEmbedding):
         self.mrope_section = list(rope_parameters["mrope_section"])
         if sum(self.mrope_section) != head_dim // 2:
             raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 = {head_dim // 2}")
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions.dim() == 1:
-            positions = positions.unsqueeze(0).expand(3, -1)
-        freqs = positions.float()[:, :, None] * self.inv_freq[None, None, :]  # (3, tokens, half)
-        chunks = freqs.split(self.mrope_section, dim=-1)
-        freqs = torch.cat([chunk[i % 3] for i, chunk in enumerate(chunks)], dim=-1)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)

@@ -1,0 +1,299 @@
+"""`flashvlm bench latency | throughput | serve | sweep | compare`."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from flashvlm.bench.records import BenchRequest, ScenarioResult
+
+_PLACEHOLDERS = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+                 "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>\n"}
+
+
+def add_workload_args(p: argparse.ArgumentParser, with_seed: bool = True) -> None:
+    g = p.add_argument_group("workload (seeded, deterministic)")
+    g.add_argument("--num-requests", type=int, default=16, help="requests in the workload")
+    g.add_argument("--image-size", default="448x448",
+                   help="WxH, or a mix 'WxH:p,WxH:p' (e.g. 448x448:0.5,1344x1344:0.5); 'none' for text only")
+    g.add_argument("--images-per-request", default="1", help="N or LO-HI")
+    g.add_argument("--text-tokens", default="64", help="prompt text tokens: N or LO-HI")
+    g.add_argument("--output-tokens", default="128", help="generated tokens (fixed length, eos ignored): N or LO-HI")
+    g.add_argument("--repeated-image-ratio", type=float, default=0.0,
+                   help="fraction of requests that reuse an earlier request's image (cache benchmarks)")
+    g.add_argument("--long-context", action="store_true",
+                   help="stress preset: 16K text tokens + one 1344x1344 image per request")
+    g.add_argument("--dataset", default=None, help="JSONL of {prompt, images: [paths], max_tokens?} instead")
+    if with_seed:  # offline scenarios share the engine's --seed (weights, sampling and workload)
+        g.add_argument("--seed", type=int, default=0, help="workload seed")
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("report")
+    g.add_argument("--out", default=None, help="write results.json, report.md and plots/ here")
+    g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    from flashvlm.cli import _add_engine_args
+
+    _add_engine_args(p)
+    g = p.add_argument_group("benchmark model and baseline")
+    g.add_argument("--benchmark-model", default=None, choices=["qwen2-vl-7b"],
+                   help="a real-size config with random weights (implies --load-format dummy)")
+    g.add_argument("--attention-backend", default="reference", help="attention backend (reference, triton)")
+    g.add_argument("--baseline", default=None, choices=["transformers"],
+                   help="also run the workload through this system and report ratios")
+    g.add_argument("--baseline-batch-size", type=int, default=8, help="static batch size of the throughput baseline")
+    g.add_argument("--warmup", type=int, default=1, help="warm-up requests (not measured)")
+    g.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 peak for the prefill floor (H200: ~790)")
+    g.add_argument("--peak-bandwidth", type=float, default=4.2, help="TB/s for the decode floor (H200: ~4.2)")
+
+
+def build_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="reproducible benchmarks with per-stage latency attribution",
+                           description="Benchmarks: latency (one request at a time), throughput (all at once), "
+                                       "serve (load against an OpenAI-compatible endpoint), sweep (several engine "
+                                       "configs), compare (two results.json files).")
+    scen = bench.add_subparsers(dest="scenario", metavar="SCENARIO", required=True)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    for name, help_text in (("latency", "single stream (MLPerf SingleStream): TTFT, TPOT, E2E percentiles"),
+                            ("throughput", "offline (MLPerf Offline): all requests at once; tokens/s, peak memory")):
+        p = scen.add_parser(name, help=help_text, description=help_text, formatter_class=fmt)
+        add_model_args(p)
+        add_workload_args(p, with_seed=False)
+        add_output_args(p)
+    p = scen.add_parser("serve", help="load generator against an OpenAI-compatible endpoint", formatter_class=fmt,
+                        description="Streams requests to any OpenAI-compatible server and measures TTFT, TPOT, ITL "
+                                    "and E2E on the client side, with the same definitions as `vllm bench serve`.")
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--served-model", default="default", help="the model name the server expects")
+    p.add_argument("--endpoint", default="chat", choices=["chat", "completions"])
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="1 = Poisson arrivals; gamma shape otherwise")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--tier", default=None, help="SLA tier sent as the x-sla-tier header")
+    add_workload_args(p)
+    add_output_args(p)
+    p = scen.add_parser("sweep", help="one workload over several engine configurations, ranked",
+                        formatter_class=fmt,
+                        description="Runs the workload once per engine configuration and ranks them; the first "
+                                    "configuration is the baseline row of the ratio table.")
+    p.add_argument("--configs", required=True,
+                   help='JSON list (or a file holding one) of {"name": ..., <LLM keyword>: value, ...}')
+    p.add_argument("--sweep-scenario", default="throughput", choices=["latency", "throughput"])
+    add_model_args(p)
+    add_workload_args(p, with_seed=False)
+    add_output_args(p)
+    p = scen.add_parser("compare", help="ratio table of two results.json files; exit 1 on a regression",
+                        formatter_class=fmt)
+    p.add_argument("a", help="the reference results.json")
+    p.add_argument("b", help="the new results.json")
+    p.add_argument("--threshold", type=float, default=0.1, help="relative change that counts as a regression")
+
+
+# ---- workload ----------------------------------------------------------------------------------
+def _workload(args: argparse.Namespace, placeholder: str) -> tuple[list[BenchRequest], dict[str, Any]]:
+    from flashvlm.bench import workloads as wl
+
+    if args.dataset:
+        reqs = wl.load_jsonl(args.dataset, placeholder=placeholder or None)
+        return reqs, {"dataset": str(args.dataset), "num_requests": len(reqs)}
+    if args.long_context:
+        spec = wl.long_context_stress(num_requests=args.num_requests, seed=args.seed)
+    else:
+        size = None if args.image_size.lower() == "none" else args.image_size
+        spec = wl.WorkloadSpec.from_cli(num_requests=args.num_requests, image_size=size,
+                                        images_per_request=args.images_per_request, text_tokens=args.text_tokens,
+                                        output_tokens=args.output_tokens,
+                                        repeated_image_ratio=args.repeated_image_ratio, seed=args.seed)
+    return wl.generate_workload(spec, placeholder), spec.to_dict()
+
+
+def _model_path(args: argparse.Namespace) -> str:
+    if args.benchmark_model:
+        from flashvlm.bench.model_configs import write_benchmark_model
+
+        args.load_format = "dummy"
+        return str(write_benchmark_model(args.benchmark_model, tempfile.mkdtemp(prefix="flashvlm-bench-")))
+    if args.model is None:
+        from flashvlm.models.default import default_model_path
+
+        return str(default_model_path())
+    return args.model
+
+
+def _engine_kwargs(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    from flashvlm.cli import _engine_kwargs as base
+
+    kw = {**base(args), "attention_backend": args.attention_backend}
+    kw.update(overrides or {})
+    return kw
+
+
+def _progress(args: argparse.Namespace, total: int, desc: str):
+    if args.no_progress:
+        return None, None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr)
+    return bar, bar.update
+
+
+def _finish(result: ScenarioResult, args: argparse.Namespace, floors=None) -> ScenarioResult:
+    from flashvlm.bench.floors import achieved
+    from flashvlm.bench.metrics import parse_goodput, summarize
+
+    summary = summarize(result, parse_goodput(args.goodput) if args.goodput else None)
+    if floors is not None:
+        summary["floors"] = achieved(summary, floors)
+    return result
+
+
+def _floors(llm, requests: list[BenchRequest], args: argparse.Namespace):
+    from flashvlm.bench.floors import model_cost, workload_floors
+
+    n = max(len(requests), 1)
+    processed = [llm.engine.process_prompt({"prompt": r.prompt, "images": r.images}
+                                           if r.prompt_token_ids is None else
+                                           {"prompt_token_ids": r.prompt_token_ids, "images": r.images})
+                 for r in requests[: min(n, 8)]]
+    prompt = sum(len(p.prompt_token_ids) for p in processed) / len(processed)
+    patches = sum(it.pixel_values.shape[0] if it.grid_thw else (it.num_tokens + 1)
+                  for p in processed for it in p.mm_items) / len(processed)
+    output = sum(r.max_tokens for r in requests) / n
+    return workload_floors(model_cost(llm.engine.model), prompt, output, patches,
+                           bandwidth=args.peak_bandwidth * 1e12, peak_flops=args.peak_tflops * 1e12)
+
+
+def _free_device_memory() -> None:
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def _run_offline(args: argparse.Namespace, scenario: str, configs: list[dict[str, Any]]) -> list[ScenarioResult]:
+    from flashvlm.bench.scenarios import SCENARIOS, warm_up
+    from flashvlm.llm import LLM
+
+    path = _model_path(args)
+    runs: list[ScenarioResult] = []
+    requests: list[BenchRequest] = []
+    workload: dict[str, Any] = {}
+    floors = None
+    for cfg in configs:
+        cfg = dict(cfg)
+        label = cfg.pop("name", "flashvlm")
+        llm = LLM(path, **_engine_kwargs(args, cfg))
+        if not requests:
+            requests, workload = _workload(args, _PLACEHOLDERS.get(llm.engine.checkpoint.model_type, ""))
+            floors = _floors(llm, requests, args)
+        warm_up(llm, requests, args.warmup)
+        bar, update = _progress(args, len(requests), f"{scenario} [{label}]")
+        result = SCENARIOS[scenario](llm, requests, workload, label=label, progress=update)
+        if bar is not None:
+            bar.close()
+        runs.append(_finish(result, args, floors))
+        del llm  # each configuration gets the whole device
+        _free_device_memory()
+    if getattr(args, "baseline", None) == "transformers":
+        runs.insert(0, _run_transformers(args, path, scenario, requests, workload, floors))
+    return runs
+
+
+def _run_transformers(args: argparse.Namespace, path: str, scenario: str, requests: list[BenchRequest],
+                      workload: dict[str, Any], floors) -> ScenarioResult:
+    from flashvlm.bench.baselines.transformers_baseline import TransformersBaseline
+
+    dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
+    device = args.device if args.device != "auto" else _default_device()
+    base = TransformersBaseline(path, dtype=dtype, device=device, load_format=args.load_format, seed=args.seed)
+    base.warm_up(requests, args.warmup)
+    bar, update = _progress(args, len(requests), f"{scenario} [transformers]")
+    if scenario == "latency":
+        result = base.run_latency(requests, workload, progress=update)
+    else:
+        result = base.run_throughput(requests, workload, batch_size=args.baseline_batch_size, progress=update)
+    if bar is not None:
+        bar.close()
+    del base
+    _free_device_memory()
+    return _finish(result, args, floors)  # the caller puts it first: the baseline row of ratio tables
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _run_serve(args: argparse.Namespace) -> list[ScenarioResult]:
+    from flashvlm.bench.loadgen import run_load_sync
+    from flashvlm.bench.workloads import arrival_times
+
+    requests, workload = _workload(args, "")
+    offsets = None
+    if args.request_rate != float("inf"):
+        offsets = arrival_times(len(requests), args.request_rate, args.burstiness, seed=args.seed)
+    headers = {"x-sla-tier": args.tier} if args.tier else None
+    records, duration = run_load_sync(args.base_url, args.served_model, requests, arrival_offsets=offsets,
+                                      max_concurrency=args.max_concurrency, endpoint=args.endpoint, headers=headers,
+                                      progress=not args.no_progress, extra_body={"ignore_eos": True})
+    for rec in records:
+        rec.tier = args.tier
+    workload = {**workload, "request_rate": args.request_rate, "burstiness": args.burstiness,
+                "max_concurrency": args.max_concurrency, "endpoint": args.endpoint}
+    result = ScenarioResult(scenario="serve", label=args.served_model,
+                            config={"base_url": args.base_url, "model": args.served_model}, workload=workload,
+                            records=records, duration_s=duration)
+    return [_finish(result, args)]
+
+
+def _load_configs(spec: str) -> list[dict[str, Any]]:
+    text = Path(spec).read_text() if Path(spec).is_file() else spec
+    try:
+        configs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--configs is neither a JSON list nor a file holding one: {e}") from None
+    if not isinstance(configs, list) or not configs or not all(isinstance(c, dict) for c in configs):
+        raise ValueError("--configs must be a non-empty JSON list of objects")
+    for i, c in enumerate(configs):
+        c.setdefault("name", f"config{i}")
+    return configs
+
+
+def run(args: argparse.Namespace) -> int:
+    from flashvlm.bench.metrics import ratio_table
+    from flashvlm.bench.report import environment_fingerprint, format_table, write_results
+
+    if args.scenario == "compare":
+        from flashvlm.bench.compare import main_compare
+
+        return main_compare(args.a, args.b, args.threshold)
+    if args.scenario == "serve":
+        runs = _run_serve(args)
+    elif args.scenario == "sweep":
+        runs = _run_offline(args, args.sweep_scenario, _load_configs(args.configs))
+    else:
+        runs = _run_offline(args, args.scenario, [{"name": "flashvlm"}])
+    if len(runs) > 1:
+        for row, run_ in zip(ratio_table([{"label": r.label, **r.summary} for r in runs]), runs):
+            run_.summary["ratios"] = row["ratios"]
+    print(format_table(runs))
+    if args.out:
+        env = environment_fingerprint(runs[-1].config)
+        path = write_results(args.out, runs, sys.argv, env)
+        print(f"wrote {path} and {Path(path).parent / 'report.md'}", file=sys.stderr)
+    return 0

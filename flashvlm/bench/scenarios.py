@@ -1,0 +1,153 @@
+"""Offline scenarios on our engine: latency (MLPerf SingleStream) and throughput (Offline).
+
+The engine is driven step by step so every output token gets a host timestamp (TTFT, ITL) while the
+engine itself reports stage times (CUDA events for device work) and per-step records.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from flashvlm.bench.records import BenchRequest, RequestRecord, ScenarioResult
+from flashvlm.llm import LLM
+from flashvlm.request import RequestOutput, SamplingParams
+
+ProgressFn = Callable[[int], None]
+
+
+def sampling_for(req: BenchRequest) -> SamplingParams:
+    # Fixed-length greedy answers: every system does the same work whatever the random weights emit.
+    return SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
+
+
+def _prompt(req: BenchRequest) -> dict[str, Any]:
+    if req.prompt_token_ids is not None:
+        return {"prompt_token_ids": req.prompt_token_ids, "images": req.images}
+    return {"prompt": req.prompt, "images": req.images}
+
+
+class _Tracker:
+    """Client-side view of requests in flight: token arrival times per request."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, RequestRecord] = {}
+        self.last_token_time: dict[str, float] = {}
+
+    def start(self, engine_id: str, bench_id: str, num_images: int, start_time: float) -> None:
+        self.records[engine_id] = RequestRecord(request_id=bench_id, num_images=num_images, start_time=start_time)
+
+    def observe(self, outputs: list[RequestOutput], now: float) -> list[str]:
+        finished = []
+        for out in outputs:
+            rec = self.records.get(out.request_id)
+            if rec is None:
+                continue
+            n = len(out.token_ids)
+            if n > rec.output_tokens:
+                if rec.ttft is None:
+                    rec.ttft = now - rec.start_time
+                else:
+                    rec.itl.append(now - self.last_token_time[out.request_id])
+                self.last_token_time[out.request_id] = now
+                rec.output_tokens = n
+            if out.finished:
+                rec.e2e = now - rec.start_time
+                rec.prompt_tokens = len(out.prompt_token_ids)
+                rec.stages = dict(out.stages)
+                rec.success = out.finish_reason in ("stop", "length")
+                if not rec.success:
+                    rec.error = f"finished with {out.finish_reason}"
+                finished.append(out.request_id)
+        return finished
+
+
+def _submit(llm: LLM, tracker: _Tracker, req: BenchRequest) -> str | None:
+    engine = llm.engine
+    start = time.time()
+    try:
+        processed = engine.process_prompt(_prompt(req))
+        engine_req = engine.add_processed(processed, sampling_for(req), arrival_time=start)
+    except ValueError as e:  # InvalidRequestError and friends: recorded, the run goes on
+        tracker.records[f"failed-{req.request_id}"] = RequestRecord(
+            request_id=req.request_id, success=False, error=str(e), start_time=start, num_images=len(req.images))
+        return None
+    tracker.start(engine_req.request_id, req.request_id, len(req.images), start)
+    return engine_req.request_id
+
+
+def _peak_memory(device: str) -> int | None:
+    return torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
+
+
+def _reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _result(llm: LLM, scenario: str, label: str, workload: dict, tracker: _Tracker, duration: float,
+            steps: list) -> ScenarioResult:
+    return ScenarioResult(scenario=scenario, label=label, config=engine_config_dict(llm), workload=workload,
+                          records=list(tracker.records.values()), steps=steps, duration_s=duration,
+                          peak_memory_bytes=_peak_memory(llm.engine.config.device))
+
+
+def engine_config_dict(llm: LLM) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    cfg = asdict(llm.engine.config)
+    cfg["resolved_dtype"] = str(llm.engine.dtype)
+    return cfg
+
+
+def warm_up(llm: LLM, requests: list[BenchRequest], n: int = 1) -> None:
+    """Run the first n requests with 2 output tokens so lazy initialisation stays out of the numbers."""
+    for req in requests[:n]:
+        llm.generate(_prompt(req), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+
+
+def run_latency(llm: LLM, requests: list[BenchRequest], workload: dict, label: str = "flashvlm",
+                progress: ProgressFn | None = None) -> ScenarioResult:
+    """One request at a time; the next is sent when the previous finishes."""
+    engine = llm.engine
+    tracker = _Tracker()
+    engine.step_log = []
+    _reset_peak(engine.config.device)
+    t0 = time.perf_counter()
+    try:
+        for req in requests:
+            rid = _submit(llm, tracker, req)
+            while rid is not None and engine.has_unfinished_requests():
+                tracker.observe(engine.step(), time.time())
+            if progress:
+                progress(1)
+    finally:
+        steps, engine.step_log = engine.step_log, None
+    return _result(llm, "latency", label, workload, tracker, time.perf_counter() - t0, steps)
+
+
+def run_throughput(llm: LLM, requests: list[BenchRequest], workload: dict, label: str = "flashvlm",
+                   progress: ProgressFn | None = None) -> ScenarioResult:
+    """All requests submitted at once (MLPerf Offline); throughput over the whole run."""
+    engine = llm.engine
+    tracker = _Tracker()
+    engine.step_log = []
+    _reset_peak(engine.config.device)
+    t0 = time.perf_counter()
+    try:
+        for req in requests:
+            _submit(llm, tracker, req)
+        while engine.has_unfinished_requests():
+            done = tracker.observe(engine.step(), time.time())
+            if progress and done:
+                progress(len(done))
+    finally:
+        steps, engine.step_log = engine.step_log, None
+    return _result(llm, "throughput", label, workload, tracker, time.perf_counter() - t0, steps)
+
+
+SCENARIOS = {"latency": run_latency, "throughput": run_throughput}

@@ -1,0 +1,195 @@
+"""Split-K flash-decoding over the paged KV cache: one new query token per sequence.
+
+Algorithm: each sequence's context is cut into num_splits equal spans (a multiple of BLOCK_N tokens, sized
+per sequence inside the kernel from seq_lens, so any num_splits is correct for any batch). A program
+streams its span through online softmax in fp32 and writes a normalized partial output plus its log2
+sum-exp; a second kernel merges the splits. With num_splits == 1 the first kernel writes the output directly.
+Grid: stage 1 (num_seqs, num_kv_heads, num_splits); each program serves every query head of one KV head
+group (GQA), padded to BLOCK_H >= 16 rows so QK^T and PV are tensor-core dots, and loads each K/V tile once.
+Stage 2 (num_seqs, num_heads). Tokens are gathered page by page through block_tables, so BLOCK_N is
+independent of the cache block size, and seq_len needs no alignment. seq_len 0 (padding rows) yields zeros.
+Limits: q row i belongs to sequence i (pure-decode batch); last dims contiguous; device tensors only and a
+grid fixed by (num_seqs, num_splits), so launches can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_bt,
+    stride_os, stride_oh, stride_ok,
+    stride_ls, stride_lh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_h
+    seq64 = seq.to(tl.int64)
+
+    q = tl.load(q_ptr + seq64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq64 * stride_bt
+    head_off = kvh.to(tl.int64) * stride_kh
+
+    # Every iteration holds >= 1 valid key, so m_i is finite after the first one and exp2 never sees inf - inf.
+    for t in range(start, end, BLOCK_N):
+        pos = t + offs_n
+        valid = pos < end
+        page = tl.load(table + pos // PAGE, mask=valid, other=0).to(tl.int64)
+        kv_off = page * stride_kb + (pos % PAGE) * stride_kt + head_off
+        kv_ptrs = kv_off[:, None] + offs_d[None, :]
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    nonempty = l_i > 0
+    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    out_mask = h_mask[:, None] & d_mask[None, :]
+    if DIRECT:
+        tl.store(out_ptr + seq64 * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out_ptr + seq64 * stride_os + heads[:, None] * stride_oh + split * stride_ok + offs_d[None, :],
+                 o, mask=out_mask)
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + seq64 * stride_ls + heads * stride_lh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_ptr, lse_ptr, out_ptr, num_splits,
+    stride_ps, stride_ph, stride_pk,
+    stride_ls, stride_lh,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(lse_ptr + seq * stride_ls + head * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+    top = tl.max(lse, 0)
+    # All splits empty (seq_len 0): weights become 0 and the output 0 instead of NaN.
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top)
+    denom = tl.sum(w, 0)
+    parts = tl.load(part_ptr + seq * stride_ps + head * stride_ph + offs_s[:, None] * stride_pk + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    o = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132,
+                      min_tokens_per_split: int = 128, max_splits: int = 64) -> int:
+    """Enough (seq, kv head, split) programs to fill ~2 waves of SMs, without splits shorter than
+    min_tokens_per_split tokens of max_seq_len. Host ints only; a bound such as max_model_len keeps it static."""
+    programs = max(1, num_seqs * num_kv_heads)
+    by_occupancy = math.ceil(2 * num_sms / programs)
+    by_length = math.ceil(max(1, max_seq_len) / min_tokens_per_split)
+    return max(1, min(by_occupancy, by_length, max_splits))
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 scale: float, num_splits: int = 1, out: torch.Tensor | None = None, block_n: int | None = None,
+                 num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """q: (B, heads, head_dim), one token per sequence; kv_cache: (2, num_blocks, block_size, kv_heads, head_dim);
+    block_tables: (B, max_blocks) int32; seq_lens: (B,) int32 (context length including this token)."""
+    num_seqs, num_heads, head_dim = q.shape
+    kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads {num_heads} not divisible by kv_heads {kv_heads}")
+    if seq_lens.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
+        raise ValueError("paged_decode expects exactly one query token per sequence")
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if kv_cache.stride(-1) != 1 or out.stride(-1) != 1 or block_tables.stride(-1) != 1:
+        raise ValueError("kv_cache, out and block_tables must be contiguous in their last dim")
+    group = num_heads // kv_heads
+    block_h = max(16, triton.next_power_of_2(group))
+    block_d = triton.next_power_of_2(head_dim)
+    if block_n is None:
+        block_n = 32 if q.dtype == torch.float32 else 64
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    scale_log2 = scale * _LOG2E
+    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page,
+                  DOT_PREC=dot_prec, num_warps=num_warps, num_stages=num_stages)
+    kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    if num_splits <= 1:
+        _decode_split_kernel[(num_seqs, kv_heads, 1)](
+            q, k_cache, v_cache, block_tables, seq_lens, out, out, scale_log2,
+            q.stride(0), q.stride(1), *kv_strides, block_tables.stride(0),
+            out.stride(0), out.stride(1), 0, 0, 0, DIRECT=True, **common)
+        return out
+    part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part, lse, scale_log2,
+        q.stride(0), q.stride(1), *kv_strides, block_tables.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), DIRECT=False, **common)
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        part, lse, out, num_splits, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4)
+    return out
+
+
+def paged_decode_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain-torch decode attention in fp32 (host loop over sequences; tests only). seq_len 0 gives zeros."""
+    num_seqs, num_heads, _ = q.shape
+    page, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    out = torch.zeros_like(q)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            continue
+        blocks = block_tables[i, : (seq_len + page - 1) // page].long()
+        k = kv_cache[0, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(num_heads // kv_heads, dim=1)
+        v = kv_cache[1, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(num_heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,khd->hk", q[i].float(), k) * scale
+        out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v).to(q.dtype)
+    return out

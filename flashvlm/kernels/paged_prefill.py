@@ -1,0 +1,169 @@
+"""Varlen prefill / extend attention over the paged KV cache (chunks of any length, decode tokens included).
+
+Algorithm: sequence i has q_len new tokens after ctx = seq_len - q_len cached ones, and all seq_len keys are
+already in the cache (write_kv runs first). Query j (position ctx + j) sees keys 0..ctx + j: full over the
+cached prefix, causal inside the chunk. Flash-attention loop over BLOCK_N keys gathered page by page through
+block_tables, online softmax in fp32 with exp2.
+Grid: (num_tokens // BLOCK_Q + num_seqs, num_kv_heads). A tile packs BLOCK_Q tokens x GROUP query heads of
+one KV head into BLOCK_M = BLOCK_Q * GROUP (+ pad) rows, so K/V are read once per GQA group and a decode
+token costs one small tile, not a padded 64-row one. Sequence i owns tiles starting at
+query_start_loc[i] // BLOCK_Q + i (an upper bound on the tiles before it); a program finds its sequence by
+binary search over query_start_loc and exits if it lies past the sequence's last tile.
+Limits: last dims contiguous; sequences with q_len 0 are allowed (no tiles); device tensors plus the host
+ints num_tokens, num_seqs and max_query_len (tile size choice), so the launch is graph-safe for fixed shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, qsl_ptr, seq_lens_ptr, block_tables_ptr,
+    scale_log2, num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+
+    # Largest i with query_start_loc[i] // BLOCK_Q + i <= pid; log2(num_seqs) scalar loads.
+    lo = pid * 0
+    hi = pid * 0 + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        go_right = first_tile <= pid
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(go_right, hi, mid)
+    seq = lo - 1
+
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    tile = pid - (q_start // BLOCK_Q + seq)
+    if tile * BLOCK_Q < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        ctx = seq_len - q_len
+
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        tok = tile * BLOCK_Q + offs_m // GROUP
+        heads = kvh * GROUP + offs_m % GROUP
+        row_valid = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+        d_mask = offs_d < HEAD_DIM
+        rows = (q_start + tok).to(tl.int64)
+        q_pos = ctx + tok
+
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        head_off = kvh.to(tl.int64) * stride_kh
+        # Keys past the tile's last query are invisible to all of its rows.
+        kv_end = ctx + tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len)
+
+        # Key 0 is visible to every row (padding rows included), so m_i is finite after the first tile.
+        for t in range(0, kv_end, BLOCK_N):
+            pos = t + offs_n
+            valid = pos < kv_end
+            page = tl.load(table + pos // PAGE, mask=valid, other=0).to(tl.int64)
+            kv_off = page * stride_kb + (pos % PAGE) * stride_kt + head_off
+            kv_ptrs = kv_off[:, None] + offs_d[None, :]
+            kv_mask = valid[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
+
+
+def prefill_tiles(max_query_len: int, group: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): rows sized to the longest chunk (decode-heavy batches get
+    16-row tiles), capped at 128 rows (64 in fp32, whose tiles take twice the shared memory)."""
+    cap = 64 if dtype == torch.float32 else 128
+    block_m = min(cap, max(16, triton.next_power_of_2(max(1, max_query_len) * group)))
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_n = 32 if dtype == torch.float32 or block_m <= 32 else 64
+    num_warps = 8 if block_m >= 128 else 4
+    return block_m, block_n, num_warps, 2
+
+
+def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                  block_tables: torch.Tensor, scale: float, max_query_len: int, out: torch.Tensor | None = None,
+                  block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None) -> torch.Tensor:
+    """q: (N, heads, head_dim) flat batch; kv_cache: (2, num_blocks, block_size, kv_heads, head_dim);
+    query_start_loc: (B+1,) int32; seq_lens: (B,) int32 (cached + new); block_tables: (B, max_blocks) int32."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads {num_heads} not divisible by kv_heads {kv_heads}")
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if kv_cache.stride(-1) != 1 or out.stride(-1) != 1 or block_tables.stride(-1) != 1:
+        raise ValueError("kv_cache, out and block_tables must be contiguous in their last dim")
+    group = num_heads // kv_heads
+    auto_m, auto_n, auto_warps, auto_stages = prefill_tiles(max_query_len, group, q.dtype)
+    block_m = block_m or auto_m
+    if block_m < group:
+        raise ValueError(f"block_m {block_m} smaller than the GQA group {group}")
+    block_q = block_m // group
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    grid = (num_tokens // block_q + num_seqs, kv_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        scale * _LOG2E, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m,
+        BLOCK_Q=block_q, BLOCK_N=block_n or auto_n, PAGE=page,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps or auto_warps, num_stages=num_stages or auto_stages,
+    )
+    return out
+
+
+def paged_prefill_reference(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                            seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain-torch varlen attention in fp32 (host loop over sequences; tests only)."""
+    num_heads = q.shape[1]
+    page, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    out = torch.zeros_like(q)
+    qsl = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = qsl[i], qsl[i + 1]
+        if end == start:
+            continue
+        blocks = block_tables[i, : (seq_len + page - 1) // page].long()
+        k = kv_cache[0, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(num_heads // kv_heads, dim=1)
+        v = kv_cache[1, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(num_heads // kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
+        query_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out

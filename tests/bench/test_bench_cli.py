@@ -1,0 +1,84 @@
+"""Every `flashvlm bench` scenario runs end to end on the embedded default model, in seconds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flashvlm.bench.report import load_results
+from flashvlm.cli import main
+from flashvlm.testing.fake_openai_server import FakeOpenAIServer
+
+SMALL = ["--num-requests", "3", "--image-size", "112x84", "--text-tokens", "8-16", "--output-tokens", "4",
+         "--device", "cpu", "--no-progress", "--kv-cache-tokens", "4096"]
+
+
+@pytest.fixture(autouse=True)
+def _model_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("FLASHVLM_CACHE", str(tmp_path_factory.getbasetemp() / "flashvlm-cache"))
+
+
+def _run(args: list[str], out) -> dict:
+    assert main(["bench", *args, "--out", str(out)]) == 0
+    doc = load_results(out / "results.json")  # validates against the schema
+    assert (out / "report.md").read_text().startswith("# flashvlm benchmark report")
+    return doc
+
+
+def test_latency_with_baseline(tmp_path, capsys) -> None:
+    doc = _run(["latency", *SMALL, "--baseline", "transformers", "--goodput", "ttft:60000", "tpot:60000"],
+               tmp_path)
+    labels = [r["label"] for r in doc["runs"]]
+    assert labels == ["transformers", "flashvlm"]
+    ours = doc["runs"][1]
+    s = ours["summary"]
+    assert s["num_success"] == 3 and s["goodput"]["good_requests"] == 3
+    assert s["bottleneck"] in s["stages_ms"]
+    assert set(s["stages_ms"]) == {"preprocess", "queue", "vision", "prefill", "decode", "detokenize"}
+    assert s["floors"]["prefill_floor_ms"] > 0 and s["floors"]["decode_floor_ms_per_token"] > 0
+    assert ours["summary"]["ratios"]["ttft_p50_ms"] is not None
+    assert all(r["output_tokens"] == 4 and len(r["itl"]) == 3 for r in ours["records"])
+    assert doc["environment"]["versions"]["torch"]
+    assert list((tmp_path / "plots").glob("*.png"))
+    assert "TTFT p50" in capsys.readouterr().out
+
+
+def test_throughput_and_sweep(tmp_path) -> None:
+    doc = _run(["throughput", *SMALL], tmp_path / "t")
+    run = doc["runs"][0]
+    assert run["scenario"] == "throughput" and run["summary"]["output_throughput"] > 0
+    assert sum(s["num_decode_tokens"] for s in run["steps"]) == 3 * 3  # 4 tokens each, the first from prefill
+    configs = json.dumps([{"name": "budget-2048"}, {"name": "budget-32", "max_num_batched_tokens": 32}])
+    doc = _run(["sweep", "--configs", configs, *SMALL], tmp_path / "s")
+    assert [r["label"] for r in doc["runs"]] == ["budget-2048", "budget-32"]
+    assert doc["runs"][1]["config"]["scheduler"]["max_num_batched_tokens"] == 32
+    assert doc["runs"][1]["summary"]["ratios"]["output_throughput"] is not None
+
+
+def test_serve_against_openai_streaming_server(tmp_path) -> None:
+    with FakeOpenAIServer(tokens_per_request=6) as server:
+        doc = _run(["serve", "--base-url", server.base_url, "--num-requests", "5", "--image-size", "56x56",
+                    "--output-tokens", "6", "--request-rate", "1000", "--max-concurrency", "2", "--no-progress"],
+                   tmp_path)
+        assert len(server.received) == 5 and server.max_in_flight <= 2
+    s = doc["runs"][0]["summary"]
+    assert s["num_success"] == 5 and s["tpot_ms"]["p50"] is not None
+
+
+def test_compare_flags_regression(tmp_path, capsys) -> None:
+    doc = _run(["latency", *SMALL], tmp_path / "a")
+    slower = json.loads(json.dumps(doc))
+    run = slower["runs"][0]["summary"]
+    run["ttft_ms"]["p50"] *= 1.2
+    run["output_throughput"] *= 0.8
+    (tmp_path / "b.json").write_text(json.dumps(slower))
+    assert main(["bench", "compare", str(tmp_path / "a" / "results.json"), str(tmp_path / "b.json")]) == 1
+    assert "REGRESSION" in capsys.readouterr().out
+    assert main(["bench", "compare", str(tmp_path / "a" / "results.json"),
+                 str(tmp_path / "a" / "results.json")]) == 0
+
+
+def test_bad_workload_is_a_clear_error(capsys) -> None:
+    assert main(["bench", "latency", "--image-size", "12by34", "--device", "cpu", "--no-progress"]) == 1
+    assert "12by34" in capsys.readouterr().err
