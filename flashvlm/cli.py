@@ -35,6 +35,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from config.json alone (benchmarks)")
     g.add_argument("--seed", type=int, default=0, help="seed for random weights and unseeded sampling")
+    g.add_argument("--attention-backend", default="reference", choices=["reference", "triton"],
+                   help="paged attention: plain torch (any device) or Triton kernels (CUDA)")
+    g.add_argument("--kernel-backend", default="triton", choices=["triton", "torch"],
+                   help="fused norm/rotary/activation ops: Triton on CUDA tensors, or the torch reference")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -67,7 +71,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_tokens=args.kv_cache_tokens,
-                block_size=args.block_size, load_format=args.load_format, seed=args.seed)
+                block_size=args.block_size, load_format=args.load_format, seed=args.seed,
+                attention_backend=args.attention_backend, kernel_backend=args.kernel_backend)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -52,6 +52,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"
     attention_backend: str = "reference"
+    """reference (plain torch, any device) or triton (paged Triton kernels, CUDA)."""
+    kernel_backend: str = "triton"
+    """Fused norm / rotary / activation ops: triton (on CUDA tensors) or torch (the reference path)."""
 
     def validate(self) -> EngineConfig:
         m, c, s = self.model, self.cache, self.scheduler
@@ -71,6 +74,10 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
         if s.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
+        if self.attention_backend not in ("reference", "triton"):
+            raise ConfigError(f"attention_backend must be 'reference' or 'triton', got {self.attention_backend!r}")
+        if self.kernel_backend not in ("triton", "torch"):
+            raise ConfigError(f"kernel_backend must be 'triton' or 'torch', got {self.kernel_backend!r}")
         if self.device == "auto":
             import torch
 

@@ -48,7 +48,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("benchmark model and baseline")
     g.add_argument("--benchmark-model", default=None, choices=["qwen2-vl-7b"],
                    help="a real-size config with random weights (implies --load-format dummy)")
-    g.add_argument("--attention-backend", default="reference", help="attention backend (reference, triton)")
     g.add_argument("--baseline", default=None, choices=["transformers"],
                    help="also run the workload through this system and report ratios")
     g.add_argument("--baseline-batch-size", type=int, default=8, help="static batch size of the throughput baseline")
@@ -133,8 +132,7 @@ def _model_path(args: argparse.Namespace) -> str:
 def _engine_kwargs(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     from flashvlm.cli import _engine_kwargs as base
 
-    kw = {**base(args), "attention_backend": args.attention_backend}
-    kw.update(overrides or {})
+    kw = {**base(args), **(overrides or {})}
     return kw
 
 

@@ -37,6 +37,10 @@ class Engine:
         self.config = config.validate()
         mc = config.model
         torch.manual_seed(mc.seed)
+        from flashvlm.kernels.dispatch import set_triton_enabled
+
+        # Layers pick their kernels per call; the engine sets the policy once for the process.
+        set_triton_enabled(config.kernel_backend == "triton")
         t0 = time.perf_counter()
         self.checkpoint = read_checkpoint(mc)
         max_len = self.checkpoint.max_position_embeddings

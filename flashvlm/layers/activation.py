@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashvlm.kernels.dispatch import use_triton
+
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
@@ -39,9 +41,22 @@ def get_activation(name: str):
         raise ValueError(f"unsupported activation {name!r}; known: {sorted(_ACTIVATIONS)}") from None
 
 
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:]: the torch math and the fused kernel's reference."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def silu_and_mul(x: torch.Tensor, *, enabled: bool | None = None, force: bool = False) -> torch.Tensor:
+    if use_triton(x, enabled, force) and x.shape[-1] % 2 == 0:
+        from flashvlm.kernels.activation import silu_and_mul_triton  # lazy: Triton loads on the first kernel call
+
+        return silu_and_mul_triton(x)
+    return silu_and_mul_reference(x)
+
+
 class SiluAndMul(nn.Module):
     """silu(x[..., :d]) * x[..., d:] for a packed gate/up projection."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+        return silu_and_mul(x)

@@ -1,0 +1,242 @@
+"""Fused elementwise kernels (RMSNorm + residual, rotary / M-RoPE, SiLU-and-mul) against their torch references.
+
+Without CUDA the kernels run on CPU tensors through Triton's interpreter (float32, and float16, whose rounding
+the interpreter emulates faithfully; its bfloat16 casts truncate, so bf16 is checked on the GPU only). With
+CUDA the same file runs the compiled kernels in float32, bfloat16 and float16.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel module is first imported
+
+pytest.importorskip("triton")
+
+from flashvlm.kernels import dispatch  # noqa: E402
+from flashvlm.kernels import rmsnorm as rmsnorm_mod  # noqa: E402
+from flashvlm.kernels.activation import silu_and_mul_reference, silu_and_mul_triton  # noqa: E402
+from flashvlm.kernels.rmsnorm import rms_norm_reference, rmsnorm_triton  # noqa: E402
+from flashvlm.kernels.rotary import apply_rotary_triton, rotary_qk_reference, rotary_qk_triton  # noqa: E402
+from flashvlm.layers.activation import SiluAndMul, silu_and_mul  # noqa: E402
+from flashvlm.layers.norm import RMSNorm, fused_add_rmsnorm  # noqa: E402
+from flashvlm.layers.rotary import (  # noqa: E402
+    MRotaryEmbedding,
+    RotaryEmbedding,
+    apply_rotary,
+    apply_rotary_qk,
+    apply_rotary_reference,
+)
+
+# CPU tensors can only run the kernels if this process imported them under the interpreter; CUDA cases run
+# only compiled (the interpreter would take CUDA tensors too, but tests no codegen and truncates bf16).
+INTERPRETED = type(rmsnorm_mod._rmsnorm_kernel).__name__ == "InterpretedFunction"
+_CPU_OK = INTERPRETED and dispatch.interpreter_active()
+_CUDA_OK = torch.cuda.is_available() and not INTERPRETED
+_skip_cpu = pytest.mark.skipif(not _CPU_OK, reason="CPU kernels need TRITON_INTERPRET=1 before import")
+_skip_cuda = pytest.mark.skipif(not _CUDA_OK, reason="no CUDA device, or kernels interpreted")
+
+CASES = [
+    pytest.param("cpu", torch.float32, marks=_skip_cpu, id="cpu-fp32"),
+    pytest.param("cpu", torch.float16, marks=_skip_cpu, id="cpu-fp16"),
+    pytest.param("cuda", torch.float32, marks=_skip_cuda, id="cuda-fp32"),
+    pytest.param("cuda", torch.bfloat16, marks=_skip_cuda, id="cuda-bf16"),
+    pytest.param("cuda", torch.float16, marks=_skip_cuda, id="cuda-fp16"),
+]
+DEVICES = [pytest.param("cpu", marks=_skip_cpu, id="cpu"), pytest.param("cuda", marks=_skip_cuda, id="cuda")]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(20240607)
+
+
+def poisoned(shape, dtype: torch.dtype, device: str) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, max_mismatch_frac: float = 0.01) -> None:
+    """float32: within 1e-5. Half types: the kernels round where torch rounds, so nearly every element is
+    bit-identical; the rest (reduction order, exp/cos implementations) are off by an ulp or two."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape, (out.dtype, out.shape, ref.dtype, ref.shape)
+    assert torch.isfinite(out).all(), "kernel left unwritten (poisoned) or non-finite elements"
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        return
+    eps = torch.finfo(out.dtype).eps
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 * eps, atol=4 * eps)
+    mismatched = (out != ref).sum().item()
+    assert mismatched <= max(2, max_mismatch_frac * out.numel()), f"{mismatched}/{out.numel()} not bit-identical"
+
+
+# --- RMSNorm ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("hidden,rows", [(64, 13), (3584, 5)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm(device, dtype, hidden, rows, with_residual):
+    # x is a row slice of a wider buffer, so the row stride differs from the hidden size.
+    x = torch.randn(rows, hidden + 8, dtype=dtype, device=device)[:, :hidden]
+    residual = torch.randn(rows, hidden, dtype=dtype, device=device) if with_residual else None
+    weight = torch.randn(hidden, dtype=dtype, device=device)
+    x_before = x.clone()
+    out = poisoned((rows, hidden), dtype, device)
+    res_out = poisoned((rows, hidden), dtype, device) if with_residual else None
+    got = rmsnorm_triton(x, residual, weight, 1e-6, out=out, residual_out=res_out)
+    ref = rms_norm_reference(x, residual, weight, 1e-6)
+    if with_residual:
+        assert got[0] is out and got[1] is res_out
+        assert_matches(got[0], ref[0])
+        torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)  # one rounded add, same as torch
+    else:
+        assert got is out
+        assert_matches(got, ref)
+    assert torch.equal(x, x_before), "inputs must not be written"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rmsnorm_3d_input_and_weight_promotion(device):
+    # A float32 weight with float16 activations promotes the output to float32, as `weight * h.to(dtype)` does.
+    x = torch.randn(2, 3, 96, dtype=torch.float16, device=device)
+    residual = torch.randn(2, 3, 96, dtype=torch.float16, device=device)
+    weight = torch.randn(96, dtype=torch.float32, device=device)
+    out, res = fused_add_rmsnorm(x, residual, weight, 1e-5, force=True)
+    ref_out, ref_res = rms_norm_reference(x, residual, weight, 1e-5)
+    assert out.shape == x.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    assert torch.equal(res, ref_res)
+
+
+# --- rotary ----------------------------------------------------------------------------------------------------
+
+ROTARY_CONFIGS = {
+    # name: (head_dim, q heads, k heads, mrope_section, positions axes, scaling)
+    "rope-128": (128, 4, 2, None, 1, 1.0),
+    "mrope-128": (128, 4, 2, [16, 24, 24], 3, 1.0),
+    "mrope-128-text-positions": (128, 4, 2, [16, 24, 24], 1, 1.0),
+    "mrope-tiny": (12, 3, 1, [2, 2, 2], 3, 0.75),  # half = 6: not a power of two, exercises the masks
+}
+
+
+def _rotary_inputs(name: str, dtype: torch.dtype, device: str, tokens: int = 9):
+    head_dim, hq, hk, section, axes, scaling = ROTARY_CONFIGS[name]
+    rope_params = {"rope_theta": 1_000_000.0}
+    rope = MRotaryEmbedding(head_dim, {**rope_params, "mrope_section": section}) if section else \
+        RotaryEmbedding(head_dim, rope_params)
+    inv_freq = rope.inv_freq.to(device)
+    # q and k are head views into one packed qkv row, as DecoderAttention produces them.
+    qkv = torch.randn(tokens, (hq + 2 * hk) * head_dim, dtype=dtype, device=device)
+    q = qkv[:, : hq * head_dim].view(tokens, hq, head_dim)
+    k = qkv[:, hq * head_dim: (hq + hk) * head_dim].view(tokens, hk, head_dim)
+    if axes == 1:  # strided, large, int64
+        positions = torch.randint(0, 131_072, (3 * tokens,), device=device)[::3]
+    else:  # (3, tokens) view of a (tokens, 3) int32 buffer: non-unit token stride
+        positions = torch.randint(0, 100_000, (tokens, 3), dtype=torch.int32, device=device).t()
+    return q, k, positions, inv_freq, section, scaling
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("name", list(ROTARY_CONFIGS))
+def test_rotary_qk_from_positions(device, dtype, name):
+    q, k, positions, inv_freq, section, scaling = _rotary_inputs(name, dtype, device)
+    ref_q, ref_k = rotary_qk_reference(q, k, positions, inv_freq, section, scaling)
+    q_out, k_out = poisoned(q.shape, dtype, device), poisoned(k.shape, dtype, device)
+    got_q, got_k = rotary_qk_triton(q, k, positions, inv_freq, section, scaling, q_out=q_out, k_out=k_out)
+    assert got_q is q_out and got_k is k_out
+    assert_matches(got_q, ref_q)
+    assert_matches(got_k, ref_k)
+    # In place through the layer function: q and k stay views into the packed buffer.
+    got_q, got_k = apply_rotary_qk(q, k, positions, inv_freq, scaling, section, inplace=True, force=True)
+    assert got_q is q and got_k is k
+    assert_matches(q, ref_q)
+    assert_matches(k, ref_k)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("mrope", [False, True])
+def test_apply_rotary_with_tables(device, dtype, mrope):
+    name = "mrope-128" if mrope else "rope-128"
+    q, k, positions, inv_freq, section, scaling = _rotary_inputs(name, dtype, device, tokens=7)
+    rope = (MRotaryEmbedding(128, {"mrope_section": section}) if mrope else RotaryEmbedding(128, {})).to(device)
+    cos, sin = rope(positions, dtype)
+    out = poisoned(q.shape, dtype, device)
+    assert apply_rotary_triton(q, cos, sin, out=out) is out
+    assert_matches(out, apply_rotary_reference(q, cos, sin))
+    assert_matches(apply_rotary(k, cos, sin, force=True), apply_rotary_reference(k, cos, sin))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_apply_rotary_promotes_like_torch(device):
+    # float32 tables with float16 activations: torch promotes to float32, the kernel must too.
+    q = torch.randn(5, 3, 16, dtype=torch.float16, device=device)
+    angles = torch.randn(5, 16, device=device) * 50
+    cos, sin = angles.cos(), angles.sin()
+    got = apply_rotary_triton(q, cos, sin)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, apply_rotary_reference(q, cos, sin), rtol=1e-5, atol=1e-5)
+
+
+# --- SiLU-and-mul ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("inter", [64, 2500])  # 2500: three column blocks, the last one partial
+def test_silu_and_mul(device, dtype, inter):
+    x = torch.randn(5, 2 * inter + 16, dtype=dtype, device=device)[:, : 2 * inter] * 3
+    out = poisoned((5, inter), dtype, device)
+    assert silu_and_mul_triton(x, out=out) is out
+    assert_matches(out, silu_and_mul_reference(x))
+    x3 = torch.randn(2, 3, 2 * inter, dtype=dtype, device=device)
+    assert_matches(silu_and_mul(x3, force=True), silu_and_mul_reference(x3))
+
+
+# --- dispatch policy -------------------------------------------------------------------------------------------
+
+
+def test_cpu_tensors_take_the_torch_path_by_default(monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("a Triton kernel ran on a CPU tensor without force=True")
+
+    import flashvlm.kernels.activation as act_mod
+    import flashvlm.kernels.rotary as rot_mod
+
+    monkeypatch.setattr(rmsnorm_mod, "rmsnorm_triton", boom)
+    monkeypatch.setattr(act_mod, "silu_and_mul_triton", boom)
+    monkeypatch.setattr(rot_mod, "apply_rotary_triton", boom)
+    monkeypatch.setattr(rot_mod, "rotary_qk_triton", boom)
+    x = torch.randn(4, 32)
+    assert not dispatch.use_triton(x)
+    norm = RMSNorm(32)
+    norm(x)
+    norm(x, torch.randn(4, 32))
+    SiluAndMul()(torch.randn(4, 64))
+    rope = MRotaryEmbedding(16, {"mrope_section": [2, 3, 3]})
+    q, k = torch.randn(4, 2, 16), torch.randn(4, 1, 16)
+    positions = torch.arange(12).view(3, 4)
+    cos, sin = rope(positions, q.dtype)
+    apply_rotary(q, cos, sin)
+    rope.rotate_qk(q, k, positions)
+
+
+def test_force_needs_the_interpreter_for_cpu_tensors(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        dispatch.use_triton(torch.randn(2), force=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_policy_switches():
+    x = torch.randn(2, 8, device="cuda")
+    assert dispatch.use_triton(x)
+    assert not dispatch.use_triton(x, enabled=False)
+    dispatch.set_triton_enabled(False)
+    try:
+        assert not dispatch.use_triton(x)
+        assert dispatch.use_triton(x, enabled=True)
+    finally:
+        dispatch.set_triton_enabled(True)
