@@ -29,15 +29,19 @@ class ReferenceBackend(AttentionBackend):
             if groups > 1:
                 k = k.repeat_interleave(groups, dim=1)
                 v = v.repeat_interleave(groups, dim=1)
-            qi = q[start:end].transpose(0, 1)  # (heads, new, dim)
-            k, v = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+            # 4-D (1, heads, len, dim) so SDPA can pick a fused kernel instead of its math fallback.
+            qi = q[start:end].transpose(0, 1)[None]
+            k, v = k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype)
             ctx = seq_len - num_new
             if num_new == 1:
-                mask = None
+                o = F.scaled_dot_product_attention(qi, k, v, scale=scale)
+            elif ctx == 0:
+                o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale)
             else:
                 key_pos = torch.arange(seq_len, device=q.device)
                 query_pos = torch.arange(ctx, seq_len, device=q.device)
                 mask = key_pos[None, :] <= query_pos[:, None]
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
+                o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
+            o = o[0]
             out[start:end] = o.transpose(0, 1)
         return out

@@ -49,26 +49,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
     return apply_rotary_reference(x, cos, sin)
 
 
-def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                    scaling: float = 1.0, mrope_section: list[int] | None = None, *, inplace: bool = False,
-                    enabled: bool | None = None, force: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q (tokens, heads, head_dim) and k (tokens, kv_heads, head_dim) from positions; the kernel computes
-    cos/sin itself, so no (tokens, head_dim) tables are built. `inplace` writes into q and k."""
-    if use_triton(q, enabled, force) and (mrope_section is None or len(mrope_section) == 3):
-        from flashvlm.kernels.rotary import rotary_qk_triton
-
-        if inplace:
-            return rotary_qk_triton(q, k, positions, inv_freq, mrope_section, scaling, q_out=q, k_out=k)
-        return rotary_qk_triton(q, k, positions, inv_freq, mrope_section, scaling)
-    cos, sin = rotary_cos_sin(positions, inv_freq, scaling, q.dtype, mrope_section)
-    q_rot, k_rot = apply_rotary_reference(q, cos, sin), apply_rotary_reference(k, cos, sin)
-    if not inplace:
-        return q_rot, k_rot
-    q.copy_(q_rot)
-    k.copy_(k_rot)
-    return q, k
-
-
 def _inv_freq(head_dim: int, rope_parameters: dict) -> tuple[torch.Tensor, float]:
     rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
     theta = float(rope_parameters.get("rope_theta", 10000.0))
@@ -92,11 +72,6 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary_cos_sin(positions, self.inv_freq, self.scaling, dtype, self.mrope_section)
-
-    def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                  inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fused alternative to `forward` + `apply_rotary` on q and k (cos/sin computed inside the kernel)."""
-        return apply_rotary_qk(q, k, positions, self.inv_freq, self.scaling, self.mrope_section, inplace=inplace)
 
 
 class MRotaryEmbedding(RotaryEmbedding):

@@ -15,8 +15,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     lens = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]) if b > a]
     starts = [a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]) if b > a]
     if len(lens) == 1:
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale)
-        return o.transpose(0, 1)
+        # 4-D (batch, heads, len, dim): 3-D inputs make SDPA fall back to its quadratic-memory math kernel.
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], scale=scale)
+        return o[0].transpose(0, 1)
     num_segs, max_len = len(lens), max(lens)
     device = q.device
     seg_of_token = torch.repeat_interleave(torch.arange(num_segs, device=device),

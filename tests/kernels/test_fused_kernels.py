@@ -21,14 +21,13 @@ from flashvlm.kernels import dispatch  # noqa: E402
 from flashvlm.kernels import rmsnorm as rmsnorm_mod  # noqa: E402
 from flashvlm.kernels.activation import silu_and_mul_reference, silu_and_mul_triton  # noqa: E402
 from flashvlm.kernels.rmsnorm import rms_norm_reference, rmsnorm_triton  # noqa: E402
-from flashvlm.kernels.rotary import apply_rotary_triton, rotary_qk_reference, rotary_qk_triton  # noqa: E402
+from flashvlm.kernels.rotary import apply_rotary_triton  # noqa: E402
 from flashvlm.layers.activation import SiluAndMul, silu_and_mul  # noqa: E402
 from flashvlm.layers.norm import RMSNorm, fused_add_rmsnorm  # noqa: E402
 from flashvlm.layers.rotary import (  # noqa: E402
     MRotaryEmbedding,
     RotaryEmbedding,
     apply_rotary,
-    apply_rotary_qk,
     apply_rotary_reference,
 )
 
@@ -141,23 +140,6 @@ def _rotary_inputs(name: str, dtype: torch.dtype, device: str, tokens: int = 9):
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
-@pytest.mark.parametrize("name", list(ROTARY_CONFIGS))
-def test_rotary_qk_from_positions(device, dtype, name):
-    q, k, positions, inv_freq, section, scaling = _rotary_inputs(name, dtype, device)
-    ref_q, ref_k = rotary_qk_reference(q, k, positions, inv_freq, section, scaling)
-    q_out, k_out = poisoned(q.shape, dtype, device), poisoned(k.shape, dtype, device)
-    got_q, got_k = rotary_qk_triton(q, k, positions, inv_freq, section, scaling, q_out=q_out, k_out=k_out)
-    assert got_q is q_out and got_k is k_out
-    assert_matches(got_q, ref_q)
-    assert_matches(got_k, ref_k)
-    # In place through the layer function: q and k stay views into the packed buffer.
-    got_q, got_k = apply_rotary_qk(q, k, positions, inv_freq, scaling, section, inplace=True, force=True)
-    assert got_q is q and got_k is k
-    assert_matches(q, ref_q)
-    assert_matches(k, ref_k)
-
-
-@pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("mrope", [False, True])
 def test_apply_rotary_with_tables(device, dtype, mrope):
     name = "mrope-128" if mrope else "rope-128"
@@ -208,7 +190,6 @@ def test_cpu_tensors_take_the_torch_path_by_default(monkeypatch):
     monkeypatch.setattr(rmsnorm_mod, "rmsnorm_triton", boom)
     monkeypatch.setattr(act_mod, "silu_and_mul_triton", boom)
     monkeypatch.setattr(rot_mod, "apply_rotary_triton", boom)
-    monkeypatch.setattr(rot_mod, "rotary_qk_triton", boom)
     x = torch.randn(4, 32)
     assert not dispatch.use_triton(x)
     norm = RMSNorm(32)
@@ -216,11 +197,10 @@ def test_cpu_tensors_take_the_torch_path_by_default(monkeypatch):
     norm(x, torch.randn(4, 32))
     SiluAndMul()(torch.randn(4, 64))
     rope = MRotaryEmbedding(16, {"mrope_section": [2, 3, 3]})
-    q, k = torch.randn(4, 2, 16), torch.randn(4, 1, 16)
+    q = torch.randn(4, 2, 16)
     positions = torch.arange(12).view(3, 4)
     cos, sin = rope(positions, q.dtype)
     apply_rotary(q, cos, sin)
-    rope.rotate_qk(q, k, positions)
 
 
 def test_force_needs_the_interpreter_for_cpu_tensors(monkeypatch):
