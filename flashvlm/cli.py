@@ -39,6 +39,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="paged attention: plain torch (any device) or Triton kernels (CUDA)")
     g.add_argument("--kernel-backend", default="triton", choices=["triton", "torch"],
                    help="fused norm/rotary/activation ops: Triton on CUDA tensors, or the torch reference")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (decode steps are captured only with --attention-backend triton on CUDA)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -72,7 +74,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_tokens=args.kv_cache_tokens,
                 block_size=args.block_size, load_format=args.load_format, seed=args.seed,
-                attention_backend=args.attention_backend, kernel_backend=args.kernel_backend)
+                attention_backend=args.attention_backend, kernel_backend=args.kernel_backend,
+                enforce_eager=args.enforce_eager)
 
 
 def _generate(args: argparse.Namespace) -> int:

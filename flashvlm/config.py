@@ -55,6 +55,8 @@ class EngineConfig:
     """reference (plain torch, any device) or triton (paged Triton kernels, CUDA)."""
     kernel_backend: str = "triton"
     """Fused norm / rotary / activation ops: triton (on CUDA tensors) or torch (the reference path)."""
+    enforce_eager: bool = False
+    """Never use CUDA graphs (they need the triton attention backend on CUDA)."""
 
     def validate(self) -> EngineConfig:
         m, c, s = self.model, self.cache, self.scheduler

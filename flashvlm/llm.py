@@ -23,7 +23,7 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  gpu_memory_utilization: float = 0.9, kv_cache_tokens: int | None = None, block_size: int = 16,
                  seed: int = 0, load_format: str = "auto", attention_backend: str = "reference",
-                 kernel_backend: str = "triton") -> None:
+                 kernel_backend: str = "triton", enforce_eager: bool = False) -> None:
         if model is None:
             from flashvlm.models.default import default_model_path
 
@@ -34,7 +34,8 @@ class LLM:
             cache=CacheConfig(block_size=block_size, kv_cache_tokens=kv_cache_tokens,
                               gpu_memory_utilization=gpu_memory_utilization),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-            device=device, attention_backend=attention_backend, kernel_backend=kernel_backend)
+            device=device, attention_backend=attention_backend, kernel_backend=kernel_backend,
+            enforce_eager=enforce_eager)
         self.engine = Engine(config)
 
     def get_tokenizer(self) -> Any:

@@ -24,25 +24,35 @@ OUT = os.environ.get("OUT") or tempfile.mkdtemp()
 RES: dict = {}
 
 
+CONFIGS = {"reference": dict(attention_backend="reference", kernel_backend="torch", enforce_eager=True),
+           "triton-eager": dict(attention_backend="triton", kernel_backend="triton", enforce_eager=True),
+           "triton-graphs": dict(attention_backend="triton", kernel_backend="triton")}
+
+
 def parity() -> None:
-    path = str(build_qwen2_vl(tempfile.mkdtemp(), seed=9, dtype=torch.bfloat16))
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     rng = np.random.default_rng(0)
-    prompts = [{"prompt": "<|vision_start|><|image_pad|><|vision_end|>" * k + f"question {k}",
-                "images": [rng.integers(0, 256, (56 * (k + 1), 84, 3), dtype=np.uint8) for _ in range(k)]}
-               for k in range(4)]
-    outs = {}
-    for name, kw in {"reference": dict(attention_backend="reference", kernel_backend="torch"),
-                     "triton": dict(attention_backend="triton", kernel_backend="triton")}.items():
-        llm = LLM(path, device="cuda", dtype="bfloat16", kv_cache_tokens=16384, **kw)
-        outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
-        del llm
-    same = sum(a == b for a, b in zip(outs["reference"], outs["triton"]))
-    agree = np.mean([np.mean(np.array(a) == np.array(b)) for a, b in zip(outs["reference"], outs["triton"])])
-    RES["tiny_bf16_greedy_identical"] = f"{same}/{len(prompts)}"
-    RES["tiny_bf16_token_agreement"] = float(agree)
-    print("parity triton vs reference (bf16, 64 tokens):", RES["tiny_bf16_greedy_identical"], f"{agree:.3f}",
-          flush=True)
+    prompts = [{"prompt": "<|vision_start|><|image_pad|><|vision_end|>" * (k % 3) + f"question {k} " * (k + 1),
+                "images": [rng.integers(0, 256, (56 * (k % 4 + 1), 84, 3), dtype=np.uint8) for _ in range(k % 3)]}
+               for k in range(5)]  # 5 requests: the graph pads the batch to 8
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    for dtype in ("float32", "bfloat16"):
+        path = str(build_qwen2_vl(tempfile.mkdtemp(), seed=9, dtype=getattr(torch, dtype)))
+        outs, first_logits = {}, {}
+        for name, kw in CONFIGS.items():
+            llm = LLM(path, device="cuda", dtype=dtype, kv_cache_tokens=16384, max_num_seqs=8, **kw)
+            llm.engine.runner.record_logits = True
+            res = llm.generate(prompts, params)
+            outs[name] = [o.token_ids for o in res]
+            first_logits[name] = torch.stack([llm.engine.runner.recorded_logits[o.request_id][0] for o in res])
+            del llm
+        for name in ("triton-eager", "triton-graphs"):
+            ref = outs["reference"] if name == "triton-eager" else outs["triton-eager"]
+            same = sum(a == b for a, b in zip(ref, outs[name]))
+            agree = float(np.mean([np.mean(np.array(a) == np.array(b)) for a, b in zip(ref, outs[name])]))
+            diff = (first_logits[name] - first_logits["reference"]).abs().max().item()
+            key = f"{dtype}:{name}_vs_{'reference' if name == 'triton-eager' else 'triton-eager'}"
+            RES[key] = dict(identical=f"{same}/{len(prompts)}", token_agreement=agree, first_logits_maxdiff=diff)
+            print(key, RES[key], flush=True)
 
 
 def kernel_timings() -> None:

@@ -150,6 +150,11 @@ def _finish(result: ScenarioResult, args: argparse.Namespace, floors=None) -> Sc
     from flashvlm.bench.metrics import parse_goodput, summarize
 
     summary = summarize(result, parse_goodput(args.goodput) if args.goodput else None)
+    decode_steps = [s.host_s * 1e3 for s in result.steps if s.num_prefill_tokens == 0]
+    if decode_steps:  # host (CPU) time per pure-decode step: what CUDA graphs and fewer syncs cut
+        from flashvlm.bench.metrics import percentiles
+
+        summary["decode_step_host_ms"] = percentiles(decode_steps)
     if floors is not None:
         summary["floors"] = achieved(summary, floors)
     return result

@@ -39,6 +39,10 @@ class VLModel(nn.Module):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    @property
+    def vocab_size(self) -> int:
+        return self.language_model.embed_tokens.num_embeddings
+
     def encode_images(self, items: list[MMItem]) -> list[torch.Tensor]:
         """Returns one (item.num_tokens, hidden) tensor per item, in the language model's dtype."""
         raise NotImplementedError

@@ -14,6 +14,7 @@ from flashvlm.engine.sched_output import SchedulerOutput
 from flashvlm.layers.attention import ForwardContext
 from flashvlm.models.interfaces import VLModel
 from flashvlm.request import MMItem, Request
+from flashvlm.runner.cuda_graph import DecodeGraphs
 from flashvlm.runner.inputs import PositionStore, build_step_inputs
 from flashvlm.runner.sampler import Sampler, make_generator
 
@@ -66,7 +67,13 @@ class ModelRunner:
         self.dtype = dtype
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
+        self.use_cuda_graphs = (not config.enforce_eager and self.device.type == "cuda"
+                                and config.attention_backend == "triton")
         self.backend = get_backend(config.attention_backend)
+        if self.use_cuda_graphs:
+            # Split counts must not depend on the step's lengths inside a graph: bound them by max_model_len.
+            self.backend.max_seq_len_bound = config.scheduler.max_model_len
+        self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.positions = PositionStore()
@@ -96,7 +103,7 @@ class ModelRunner:
             return tokens // self.block_size + 2
         free, total = torch.cuda.mem_get_info(self.device)
         peak = self.profile_peak_memory()
-        budget = total * cache.gpu_memory_utilization - (total - free) - peak
+        budget = total * cache.gpu_memory_utilization - (total - free) - peak - self.graph_memory_reserve()
         num_blocks = int(budget // self.kv_bytes_per_block())
         if num_blocks < 2:
             raise RuntimeError(f"no memory left for the KV cache: {total / 2**30:.1f} GiB total, "
@@ -128,10 +135,23 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return int(peak * 1.1)  # headroom for fragmentation and the vision tower
 
+    def graph_memory_reserve(self) -> int:
+        """Memory kept out of the KV budget for the decode graphs' pool: logits and activations of the
+        largest captured batch, with room to spare (the measured figure is logged after capture)."""
+        if not self.use_cuda_graphs:
+            return 0
+        n = self.config.scheduler.max_num_seqs
+        return 256 * 2**20 + 3 * n * self.model.vocab_size * 4 + n * self.model.kv_cache_spec().num_layers * 2**16
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         spec = self.model.kv_cache_spec()
         self.kv_caches = [torch.zeros(2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
                                       dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
+        if self.use_cuda_graphs:
+            sched = self.config.scheduler
+            self.graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, sched.max_num_seqs,
+                                       sched.max_model_len, self.block_size, self.device)
+            self.graphs.capture()
 
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -153,13 +173,20 @@ class ModelRunner:
 
         self._forward_timer.start()
         inputs = build_step_inputs(out, self.positions, self.block_size, self.device)
-        embeds = self.model.embed_tokens(inputs.input_ids)
-        self._splice_image_embeddings(out, embeds)
-        ctx = ForwardContext(attn_meta=inputs.attn_meta, kv_caches=self.kv_caches, backend=self.backend)
-        hidden = self.model(embeds, inputs.positions, ctx)
+        graph_logits = hidden = None
+        if self._graph_can_run(out, inputs.attn_meta):
+            graph_logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn_meta)
+        else:
+            embeds = self.model.embed_tokens(inputs.input_ids)
+            self._splice_image_embeddings(out, embeds)
+            ctx = ForwardContext(attn_meta=inputs.attn_meta, kv_caches=self.kv_caches, backend=self.backend)
+            hidden = self.model(embeds, inputs.positions, ctx)
         sampled: dict[str, int] = {}
         if inputs.sample_request_ids:
-            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+            if graph_logits is not None:
+                logits = graph_logits.index_select(0, inputs.sample_rows)
+            else:
+                logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
             by_id = {s.request.request_id: s.request for s in out.scheduled}
             reqs = [by_id[r] for r in inputs.sample_request_ids]
             if self.record_logits:
@@ -179,6 +206,15 @@ class ModelRunner:
         self.last_timings = StepTimings(vision_s=self._vision_timer.seconds() if num_images else 0.0,
                                         forward_s=self._forward_timer.seconds(), num_images=num_images)
         return sampled
+
+    def _graph_can_run(self, out: SchedulerOutput, meta) -> bool:
+        """A captured graph serves steps of one new token per request, no image rows, within the ladder."""
+        if self.graphs is None or meta.max_query_len != 1 or out.encoder_inputs:
+            return False
+        if self.graphs.padded_size(meta.num_seqs) is None:
+            return False
+        return not any(item.offset < s.end and s.start < item.end
+                       for s in out.scheduled for item in s.request.mm_items)
 
     def release(self, out: SchedulerOutput) -> None:
         for h in out.free_encoder_hashes:
