@@ -265,7 +265,12 @@ def _run_serve(args: argparse.Namespace) -> list[ScenarioResult]:
 
 
 def _load_configs(spec: str) -> list[dict[str, Any]]:
-    text = Path(spec).read_text() if Path(spec).is_file() else spec
+    text = spec
+    if not spec.lstrip().startswith("["):
+        try:
+            text = Path(spec).read_text()
+        except OSError as e:
+            raise ValueError(f"--configs: cannot read {spec!r}: {e}") from None
     try:
         configs = json.loads(text)
     except json.JSONDecodeError as e:

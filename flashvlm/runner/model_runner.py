@@ -70,8 +70,9 @@ class ModelRunner:
         self.use_cuda_graphs = (not config.enforce_eager and self.device.type == "cuda"
                                 and config.attention_backend == "triton")
         self.backend = get_backend(config.attention_backend)
-        if self.use_cuda_graphs:
-            # Split counts must not depend on the step's lengths inside a graph: bound them by max_model_len.
+        if config.attention_backend == "triton":
+            # Decode split counts follow the batch shape only, never the step's lengths: graphs need that, and
+            # eager steps use the same splits so both paths reduce in the same order (identical bf16 results).
             self.backend.max_seq_len_bound = config.scheduler.max_model_len
         self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
