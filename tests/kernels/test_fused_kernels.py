@@ -1,4 +1,4 @@
-"""Fused elementwise kernels (RMSNorm + residual, rotary / M-RoPE, SiLU-and-mul) against their torch references.
+"""Fused elementwise kernels (RMSNorm + residual, SiLU-and-mul) against their torch references.
 
 Without CUDA the kernels run on CPU tensors through Triton's interpreter (float32, and float16, whose rounding
 the interpreter emulates faithfully; its bfloat16 casts truncate, so bf16 is checked on the GPU only). With
@@ -21,14 +21,11 @@ from flashvlm.kernels import dispatch  # noqa: E402
 from flashvlm.kernels import rmsnorm as rmsnorm_mod  # noqa: E402
 from flashvlm.kernels.activation import silu_and_mul_reference, silu_and_mul_triton  # noqa: E402
 from flashvlm.kernels.rmsnorm import rms_norm_reference, rmsnorm_triton  # noqa: E402
-from flashvlm.kernels.rotary import apply_rotary_triton  # noqa: E402
 from flashvlm.layers.activation import SiluAndMul, silu_and_mul  # noqa: E402
 from flashvlm.layers.norm import RMSNorm, fused_add_rmsnorm  # noqa: E402
 from flashvlm.layers.rotary import (  # noqa: E402
     MRotaryEmbedding,
-    RotaryEmbedding,
     apply_rotary,
-    apply_rotary_reference,
 )
 
 # CPU tensors can only run the kernels if this process imported them under the interpreter; CUDA cases run
@@ -111,58 +108,6 @@ def test_rmsnorm_3d_input_and_weight_promotion(device):
     assert torch.equal(res, ref_res)
 
 
-# --- rotary ----------------------------------------------------------------------------------------------------
-
-ROTARY_CONFIGS = {
-    # name: (head_dim, q heads, k heads, mrope_section, positions axes, scaling)
-    "rope-128": (128, 4, 2, None, 1, 1.0),
-    "mrope-128": (128, 4, 2, [16, 24, 24], 3, 1.0),
-    "mrope-128-text-positions": (128, 4, 2, [16, 24, 24], 1, 1.0),
-    "mrope-tiny": (12, 3, 1, [2, 2, 2], 3, 0.75),  # half = 6: not a power of two, exercises the masks
-}
-
-
-def _rotary_inputs(name: str, dtype: torch.dtype, device: str, tokens: int = 9):
-    head_dim, hq, hk, section, axes, scaling = ROTARY_CONFIGS[name]
-    rope_params = {"rope_theta": 1_000_000.0}
-    rope = MRotaryEmbedding(head_dim, {**rope_params, "mrope_section": section}) if section else \
-        RotaryEmbedding(head_dim, rope_params)
-    inv_freq = rope.inv_freq.to(device)
-    # q and k are head views into one packed qkv row, as DecoderAttention produces them.
-    qkv = torch.randn(tokens, (hq + 2 * hk) * head_dim, dtype=dtype, device=device)
-    q = qkv[:, : hq * head_dim].view(tokens, hq, head_dim)
-    k = qkv[:, hq * head_dim: (hq + hk) * head_dim].view(tokens, hk, head_dim)
-    if axes == 1:  # strided, large, int64
-        positions = torch.randint(0, 131_072, (3 * tokens,), device=device)[::3]
-    else:  # (3, tokens) view of a (tokens, 3) int32 buffer: non-unit token stride
-        positions = torch.randint(0, 100_000, (tokens, 3), dtype=torch.int32, device=device).t()
-    return q, k, positions, inv_freq, section, scaling
-
-
-@pytest.mark.parametrize("device,dtype", CASES)
-@pytest.mark.parametrize("mrope", [False, True])
-def test_apply_rotary_with_tables(device, dtype, mrope):
-    name = "mrope-128" if mrope else "rope-128"
-    q, k, positions, inv_freq, section, scaling = _rotary_inputs(name, dtype, device, tokens=7)
-    rope = (MRotaryEmbedding(128, {"mrope_section": section}) if mrope else RotaryEmbedding(128, {})).to(device)
-    cos, sin = rope(positions, dtype)
-    out = poisoned(q.shape, dtype, device)
-    assert apply_rotary_triton(q, cos, sin, out=out) is out
-    assert_matches(out, apply_rotary_reference(q, cos, sin))
-    assert_matches(apply_rotary(k, cos, sin, force=True), apply_rotary_reference(k, cos, sin))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_apply_rotary_promotes_like_torch(device):
-    # float32 tables with float16 activations: torch promotes to float32, the kernel must too.
-    q = torch.randn(5, 3, 16, dtype=torch.float16, device=device)
-    angles = torch.randn(5, 16, device=device) * 50
-    cos, sin = angles.cos(), angles.sin()
-    got = apply_rotary_triton(q, cos, sin)
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got, apply_rotary_reference(q, cos, sin), rtol=1e-5, atol=1e-5)
-
-
 # --- SiLU-and-mul ----------------------------------------------------------------------------------------------
 
 
@@ -185,11 +130,9 @@ def test_cpu_tensors_take_the_torch_path_by_default(monkeypatch):
         raise AssertionError("a Triton kernel ran on a CPU tensor without force=True")
 
     import flashvlm.kernels.activation as act_mod
-    import flashvlm.kernels.rotary as rot_mod
 
     monkeypatch.setattr(rmsnorm_mod, "rmsnorm_triton", boom)
     monkeypatch.setattr(act_mod, "silu_and_mul_triton", boom)
-    monkeypatch.setattr(rot_mod, "apply_rotary_triton", boom)
     x = torch.randn(4, 32)
     assert not dispatch.use_triton(x)
     norm = RMSNorm(32)
