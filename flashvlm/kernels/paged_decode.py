@@ -153,6 +153,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     block_d = triton.next_power_of_2(head_dim)
     if block_n is None:
         block_n = 32 if q.dtype == torch.float32 else 64
+    if block_n < 16:
+        raise ValueError(f"block_n must be >= 16 (tl.dot needs K >= 16 on GPUs), got {block_n}")
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     scale_log2 = scale * _LOG2E

@@ -42,14 +42,15 @@ BLOCK_SIZE = 16
 
 
 def make_cache(num_blocks: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
-               gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+               gen: torch.Generator, page: int = BLOCK_SIZE) -> torch.Tensor:
+    return torch.randn(2, num_blocks, page, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
 
 
-def make_block_tables(seq_lens: list[int], num_blocks: int, gen: torch.Generator, device: str) -> torch.Tensor:
+def make_block_tables(seq_lens: list[int], num_blocks: int, gen: torch.Generator, device: str,
+                      page: int = BLOCK_SIZE) -> torch.Tensor:
     """Disjoint, shuffled (non-contiguous) pages per sequence; unused entries hold other valid page ids, so a
     kernel that reads past a sequence's last page picks up wrong data instead of a lucky zero."""
-    need = [(n + BLOCK_SIZE - 1) // BLOCK_SIZE for n in seq_lens]
+    need = [(n + page - 1) // page for n in seq_lens]
     width = max(max(need), 1) + 2
     assert sum(need) <= num_blocks
     perm = torch.randperm(num_blocks, generator=gen)
@@ -123,12 +124,13 @@ def test_paged_decode_padding_rows_and_small_tiles(device: str, num_splits: int)
     gen = torch.Generator().manual_seed(7 + num_splits)
     kv_heads, group, head_dim = 1, 4, 64
     seq_lens = [0, 3, 50, 0]
-    cache = make_cache(8, kv_heads, head_dim, torch.float32, device, gen)
-    tables = make_block_tables(seq_lens, 8, gen, device)
+    # Pages of 32 tokens read in tiles of 16 (the smallest tile tl.dot compiles on a GPU).
+    cache = make_cache(8, kv_heads, head_dim, torch.float32, device, gen, page=32)
+    tables = make_block_tables(seq_lens, 8, gen, device, page=32)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     q = torch.randn(4, group * kv_heads, head_dim, generator=gen).to(device)
     ref = paged_decode_reference(q, cache, tables, lens, 0.3)
-    out = paged_decode(q, cache, tables, lens, 0.3, num_splits=num_splits, out=poisoned_like(q), block_n=8)
+    out = paged_decode(q, cache, tables, lens, 0.3, num_splits=num_splits, out=poisoned_like(q), block_n=16)
     assert_close(out, ref, torch.float32)
     assert (out[0] == 0).all() and (out[3] == 0).all()
 
