@@ -35,8 +35,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from config.json alone (benchmarks)")
     g.add_argument("--seed", type=int, default=0, help="seed for random weights and unseeded sampling")
-    g.add_argument("--attention-backend", default="reference", choices=["reference", "triton"],
-                   help="paged attention: plain torch (any device) or Triton kernels (CUDA)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "triton"],
+                   help="paged attention: auto = Triton kernels on CUDA, plain torch (reference) on CPU")
     g.add_argument("--kernel-backend", default="triton", choices=["triton", "torch"],
                    help="fused norm/rotary/activation ops: Triton on CUDA tensors, or the torch reference")
     g.add_argument("--enforce-eager", action="store_true",

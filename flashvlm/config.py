@@ -51,8 +51,9 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"
-    attention_backend: str = "reference"
-    """reference (plain torch, any device) or triton (paged Triton kernels, CUDA)."""
+    attention_backend: str = "auto"
+    """auto (triton on CUDA when Triton imports, else reference), reference (plain torch, any device) or
+    triton (paged Triton kernels; CUDA, or CPU under TRITON_INTERPRET=1)."""
     kernel_backend: str = "triton"
     """Fused norm / rotary / activation ops: triton (on CUDA tensors) or torch (the reference path)."""
     enforce_eager: bool = False
@@ -76,8 +77,8 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
         if s.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
-        if self.attention_backend not in ("reference", "triton"):
-            raise ConfigError(f"attention_backend must be 'reference' or 'triton', got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "reference", "triton"):
+            raise ConfigError(f"attention_backend must be auto, reference or triton, got {self.attention_backend!r}")
         if self.kernel_backend not in ("triton", "torch"):
             raise ConfigError(f"kernel_backend must be 'triton' or 'torch', got {self.kernel_backend!r}")
         if self.device == "auto":
@@ -86,4 +87,9 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.attention_backend == "auto":
+            from flashvlm.kernels.dispatch import triton_available
+
+            on_gpu = self.device.startswith("cuda") and triton_available()
+            self.attention_backend = "triton" if on_gpu else "reference"
         return self

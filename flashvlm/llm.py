@@ -22,7 +22,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  gpu_memory_utilization: float = 0.9, kv_cache_tokens: int | None = None, block_size: int = 16,
-                 seed: int = 0, load_format: str = "auto", attention_backend: str = "reference",
+                 seed: int = 0, load_format: str = "auto", attention_backend: str = "auto",
                  kernel_backend: str = "triton", enforce_eager: bool = False) -> None:
         if model is None:
             from flashvlm.models.default import default_model_path

@@ -1,4 +1,4 @@
-"""Kernel tests run Triton's CPU interpreter unless a GPU is present (then the compiled kernels run on CUDA).
+"""Tests run Triton kernels in its CPU interpreter unless a GPU is present (then compiled kernels run on CUDA).
 
 The switch must happen before triton is first imported: Triton picks interpreted or compiled at decoration
 time. Set TRITON_INTERPRET=1 yourself to force the interpreter on a GPU machine.
