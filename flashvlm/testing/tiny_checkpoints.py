@@ -47,8 +47,8 @@ CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
 def build_tokenizer(special_tokens: list[str], vocab_size: int, chat_template: str, eos: str, bos: str | None,
-                    pad: str | None):
-    """A byte-level BPE trained on a fixed in-code corpus: deterministic, tiny, and round-trips any text."""
+                    pad: str | None, corpus: list[str] | None = None):
+    """A byte-level BPE trained on an in-code corpus: deterministic, tiny, and round-trips any text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -57,7 +57,7 @@ def build_tokenizer(special_tokens: list[str], vocab_size: int, chat_template: s
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_CORPUS * 4, trainer)
+    tok.train_from_iterator((corpus or _CORPUS) * 4, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=bos, pad_token=pad,
                                    chat_template=chat_template, model_max_length=1 << 20)
 

@@ -1,0 +1,161 @@
+"""Train the embedded demo model: a tiny Qwen2-VL-architecture VLM on the synthetic scenes of `scenes.py`.
+
+    python -m flashvlm.demo.train --out flashvlm/demo/checkpoint --steps 3000 --device cuda
+
+Seeded end to end (tokenizer, initial weights, data order), so the same command gives the same checkpoint on
+the same hardware. The result is a normal Hugging Face folder that transformers and flashvlm both load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from flashvlm.demo.scenes import IMAGE_SIZE, QUESTION_TYPES, answer_vocabulary, make_example, make_split
+from flashvlm.processing.preprocess import QwenImageProcessor
+from flashvlm.testing.tiny_checkpoints import (
+    QWEN_CHAT_TEMPLATE,
+    QWEN_SPECIAL_TOKENS,
+    build_tokenizer,
+    qwen_preprocessor_config,
+)
+
+PIXELS = IMAGE_SIZE * IMAGE_SIZE  # min = max pixels: every scene keeps its 168x168 size (12x12 patches)
+
+
+def demo_tokenizer():
+    questions = [make_example(0, i).question for i in range(400)]
+    corpus = questions + answer_vocabulary() + ["system", "user", "assistant", "You are a helpful assistant."]
+    return build_tokenizer(QWEN_SPECIAL_TOKENS, 600, QWEN_CHAT_TEMPLATE, eos="<|im_end|>", bos=None,
+                           pad="<|endoftext|>", corpus=corpus)
+
+
+def demo_config(tokenizer):
+    from transformers import Qwen2VLConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    text = dict(vocab_size=640, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
+                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], tie_word_embeddings=True)
+    vision = dict(depth=4, embed_dim=192, hidden_size=256, num_heads=4, mlp_ratio=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    return Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                         vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True)
+
+
+class Batcher:
+    """Chat-formatted examples -> padded model inputs; loss only on the answer and its end-of-turn token."""
+
+    def __init__(self, tokenizer, image_token_id: int) -> None:
+        self.tok = tokenizer
+        self.image_token_id = image_token_id
+        self.proc = QwenImageProcessor.from_config(qwen_preprocessor_config(PIXELS, PIXELS))
+        self.num_image_tokens = self.proc.num_image_tokens(self.proc.grid_thw(IMAGE_SIZE, IMAGE_SIZE))
+        self.pad = tokenizer.pad_token_id
+
+    def prompt_ids(self, question: str) -> list[int]:
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = self.tok.encode(text, add_special_tokens=False)
+        k = ids.index(self.image_token_id)
+        return ids[:k] + [self.image_token_id] * self.num_image_tokens + ids[k + 1:]
+
+    def __call__(self, examples, device: str) -> dict:
+        rows, labels, pixels, grids = [], [], [], []
+        for ex in examples:
+            prompt = self.prompt_ids(ex.question)
+            answer = self.tok.encode(ex.answer + "<|im_end|>", add_special_tokens=False)
+            rows.append(prompt + answer)
+            labels.append([-100] * len(prompt) + answer)
+            pv, grid = self.proc.preprocess(ex.image)
+            pixels.append(pv)
+            grids.append(grid)
+        width = max(map(len, rows))
+        ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
+        lab = torch.full((len(rows), width), -100, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (r, lb) in enumerate(zip(rows, labels)):
+            ids[i, : len(r)], lab[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), torch.tensor(lb), 1
+        return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": lab.to(device),
+                "pixel_values": torch.cat(pixels).to(device), "image_grid_thw": torch.tensor(grids, device=device),
+                "mm_token_type_ids": (ids == self.image_token_id).long().to(device)}
+
+
+def answer_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Teacher-forced exact match: every answer token predicted right (a fast proxy for greedy accuracy)."""
+    pred = logits[:, :-1].argmax(-1)
+    gold = labels[:, 1:]
+    ok = ((pred == gold) | (gold == -100)).all(dim=1)
+    return ok.float().mean().item()
+
+
+def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: str, log_every: int = 100) -> dict:
+    from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    tokenizer = demo_tokenizer()
+    config = demo_config(tokenizer)
+    model = Qwen2VLForConditionalGeneration(config).to(device).train()
+    batcher = Batcher(tokenizer, config.image_token_id)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    val = batcher(make_split("validation", 256), device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast(
+        "cpu", enabled=False)
+    t0, log = time.time(), []
+    for step in range(steps):
+        batch = batcher([make_example(seed, step * batch_size + i) for i in range(batch_size)], device)
+        with autocast:
+            loss = model(**batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            model.eval()
+            with torch.no_grad(), autocast:
+                acc = answer_accuracy(model(**{k: v for k, v in val.items()}).logits, val["labels"])
+            model.train()
+            log.append({"step": step + 1, "loss": loss.item(), "val_exact": acc, "seconds": time.time() - t0})
+            print(json.dumps(log[-1]), flush=True)
+    model.eval()
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(path)  # bf16 keeps the shipped checkpoint small
+    model.generation_config = GenerationConfig(eos_token_id=[config.text_config.eos_token_id],
+                                               pad_token_id=tokenizer.pad_token_id, do_sample=False)
+    model.generation_config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps(qwen_preprocessor_config(PIXELS, PIXELS), indent=1))
+    meta = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "device": device,
+            "question_types": list(QUESTION_TYPES), "train_seconds": time.time() - t0, "log": log}
+    (path / "training.json").write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="checkpoint folder to write")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--log-every", type=int, default=100)
+    args = p.parse_args(argv)
+    train(args.out, args.steps, args.batch_size, args.lr, args.seed, args.device, args.log_every)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
