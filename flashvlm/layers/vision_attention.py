@@ -1,38 +1,54 @@
 """Bidirectional attention over variable-length segments (images, or windows of an image).
 
-Segments are padded into one batch so a single SDPA call covers them all, instead of a loop per segment.
+Segments of equal length (Qwen2.5-VL's windows, same-size images) form one dense batch with no mask, which
+lets SDPA use its flash kernel; each group of lengths is one SDPA call. The gather/scatter indices depend only
+on the host-side segment boundaries, so they are built once with numpy and cached: a vision tower calls this
+with the same boundaries in every block, and no call syncs the device.
 """
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+
+@functools.lru_cache(maxsize=64)
+def _groups(cu_seqlens: tuple[int, ...]) -> tuple[tuple[int, np.ndarray], ...]:
+    """(segment length, token indices (segments, length)) for each distinct segment length."""
+    starts = np.asarray(cu_seqlens[:-1], dtype=np.int64)
+    lens = np.diff(np.asarray(cu_seqlens, dtype=np.int64))
+    out = []
+    for length in sorted(set(lens.tolist()) - {0}):
+        seg_starts = starts[lens == length]
+        out.append((int(length), seg_starts[:, None] + np.arange(length, dtype=np.int64)[None, :]))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_groups(cu_seqlens: tuple[int, ...], device: torch.device) -> tuple[tuple[int, torch.Tensor], ...]:
+    return tuple((length, torch.from_numpy(idx).to(device, non_blocking=True)) for length, idx in _groups(cu_seqlens))
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
                      scale: float | None = None) -> torch.Tensor:
     """q, k, v: (tokens, heads, dim); cu_seqlens: host list of segment boundaries -> (tokens, heads, dim)."""
-    lens = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]) if b > a]
-    starts = [a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]) if b > a]
-    if len(lens) == 1:
-        # 4-D (batch, heads, len, dim): 3-D inputs make SDPA fall back to its quadratic-memory math kernel.
+    groups = _device_groups(tuple(int(c) for c in cu_seqlens), q.device)
+    if len(groups) == 1 and groups[0][1].shape[0] == 1 and groups[0][0] == q.shape[0]:
+        # One segment covering everything: 4-D (1, heads, len, dim), no gather.
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                            v.transpose(0, 1)[None], scale=scale)
         return o[0].transpose(0, 1)
-    num_segs, max_len = len(lens), max(lens)
-    device = q.device
-    seg_of_token = torch.repeat_interleave(torch.arange(num_segs, device=device),
-                                           torch.tensor(lens, device=device))
-    starts_t = torch.tensor(starts, device=device)
-    pos_in_seg = torch.arange(q.shape[0], device=device) - starts_t[seg_of_token]
-    flat_index = seg_of_token * max_len + pos_in_seg
+    out = torch.empty_like(q)
+    for _, idx in groups:
+        flat = idx.reshape(-1)
 
-    def pad(x: torch.Tensor) -> torch.Tensor:
-        buf = x.new_zeros(num_segs * max_len, *x.shape[1:])
-        buf[flat_index] = x
-        return buf.view(num_segs, max_len, *x.shape[1:]).transpose(1, 2)  # (segs, heads, len, dim)
+        def batch(x: torch.Tensor, idx=idx, flat=flat) -> torch.Tensor:
+            # (segments, length, heads, dim) -> (segments, heads, length, dim)
+            return x.index_select(0, flat).view(*idx.shape, *x.shape[1:]).transpose(1, 2)
 
-    valid = torch.arange(max_len, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
-    mask = valid[:, None, None, :]
-    o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=mask, scale=scale)
-    return o.transpose(1, 2).reshape(num_segs * max_len, *q.shape[1:])[flat_index]
+        o = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), scale=scale)
+        out.index_copy_(0, flat, o.transpose(1, 2).reshape(-1, *q.shape[1:]))
+    return out

@@ -12,6 +12,7 @@ import base64
 import binascii
 import io
 import os
+import stat
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from flashvlm.request import InvalidRequestError
 
 DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
+MAX_IMAGE_FILE_BYTES = 64 * 2**20
+"""Largest image file read from disk: a device file or a huge file must not hang or exhaust the host."""
 
 # Modes whose ``convert("RGB")`` is meaningful. HF's ``convert_rgb`` does a plain convert (alpha is
 # dropped, not composited), and we do the same to stay faithful to the reference processors.
@@ -108,7 +111,16 @@ def _decode_data_uri(uri: str) -> bytes:
 
 def _from_path(path: Path, max_image_pixels: int | None) -> Image.Image:
     try:
-        data = path.read_bytes()
+        info = path.stat()
+        if path.is_dir():
+            raise IsADirectoryError
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidRequestError(f"image path is not a regular file: {str(path)!r}")
+        if info.st_size > MAX_IMAGE_FILE_BYTES:
+            raise InvalidRequestError(f"image file {str(path)!r} is {info.st_size} bytes; "
+                                      f"the limit is {MAX_IMAGE_FILE_BYTES}")
+        with path.open("rb") as f:
+            data = f.read(MAX_IMAGE_FILE_BYTES + 1)
     except FileNotFoundError:
         raise InvalidRequestError(f"image file not found: {str(path)!r}") from None
     except IsADirectoryError:

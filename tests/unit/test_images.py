@@ -227,3 +227,15 @@ def test_hash_differs_on_pixels_size_and_params() -> None:
     assert hash_image(load_image(a), {**PARAMS, "max_pixels": 100_352}) != base
     assert hash_image(load_image(a), {**PARAMS, "min_pixels": 1568}) != base
     assert hash_image(load_image(a), {**PARAMS, "family": "clip"}) != base
+
+
+def test_device_files_and_oversized_files_are_refused(tmp_path, monkeypatch) -> None:
+    import flashvlm.processing.images as images_mod
+
+    with pytest.raises(InvalidRequestError, match="not a regular file"):
+        load_image("/dev/zero")
+    big = tmp_path / "big.png"
+    big.write_bytes(b"\x89PNG" + b"\0" * 4096)
+    monkeypatch.setattr(images_mod, "MAX_IMAGE_FILE_BYTES", 1024)
+    with pytest.raises(InvalidRequestError, match="limit is 1024"):
+        load_image(str(big))

@@ -1,0 +1,19 @@
+"""Varlen vision attention equals per-segment SDPA for any segment layout (windows, several images, empties)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashvlm.layers.vision_attention import varlen_attention
+
+
+@pytest.mark.parametrize("cu", [[0, 10], [0, 4, 10, 14, 20, 21], [0, 5, 5, 12], [0, 3, 6, 9, 12]])
+def test_matches_per_segment_attention(cu: list[int]) -> None:
+    g = torch.Generator().manual_seed(len(cu))
+    q, k, v = (torch.randn(cu[-1], 2, 8, generator=g) for _ in range(3))
+    out = varlen_attention(q, k, v, cu, scale=0.3)
+    for a, b in zip(cu[:-1], cu[1:]):
+        if b > a:
+            ref = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                                 v[a:b].transpose(0, 1), scale=0.3).transpose(0, 1)
+            torch.testing.assert_close(out[a:b], ref, rtol=1e-5, atol=1e-5)
