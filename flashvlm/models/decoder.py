@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flashvlm.layers.activation import SiluAndMul, get_activation
 from flashvlm.layers.attention import ForwardContext, PagedAttention
 from flashvlm.layers.linear import MergedLinear
+from flashvlm.layers.mlp import GatedMLP
 from flashvlm.layers.norm import RMSNorm
 from flashvlm.layers.rotary import MRotaryEmbedding, RotaryEmbedding, apply_rotary
 from flashvlm.models.interfaces import KVCacheSpec
@@ -39,22 +39,6 @@ class DecoderAttention(nn.Module):
         q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v, ctx))
-
-
-class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-        self.act_and_mul = SiluAndMul() if act == "silu" else None
-        self.act = get_activation(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.act_and_mul is not None:
-            return self.down_proj(self.act_and_mul(gate_up))
-        gate, up = self.gate_up_proj.split_output(gate_up)
-        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):

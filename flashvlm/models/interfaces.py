@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from flashvlm.layers.attention import ForwardContext
@@ -32,12 +33,25 @@ class VLModel(nn.Module):
 
     uses_mrope: bool = False
     image_token_id: int = -1
+    language_model: nn.Module
+    """A models.decoder.DecoderModel; families set it (and lm_head) with init_language_model()."""
+    lm_head: nn.Linear | None
+
+    def init_language_model(self, hf_config, decoder: nn.Module) -> None:
+        """Attach the text decoder and its head; tied embeddings share the embedding matrix (lm_head None)."""
+        text_cfg = hf_config.text_config
+        self.language_model = decoder
+        # transformers copies a text-config tie flag up to the top level; read both for older configs.
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False)
+                                        or getattr(text_cfg, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else \
+            nn.Linear(text_cfg.hidden_size, text_cfg.vocab_size, bias=False)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        raise NotImplementedError
+        return self.language_model.kv_cache_spec()
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        return self.language_model.embed_tokens(input_ids)
 
     @property
     def vocab_size(self) -> int:
@@ -49,10 +63,12 @@ class VLModel(nn.Module):
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """inputs_embeds (N, hidden); positions (N,) or (3, N) for M-RoPE -> hidden states (N, hidden)."""
-        raise NotImplementedError
+        return self.language_model(inputs_embeds, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        if self.lm_head is None:
+            return F.linear(hidden, self.language_model.embed_tokens.weight)
+        return self.lm_head(hidden)
 
     def prompt_positions(self, prompt_token_ids: list[int], mm_items: list[MMItem]) -> tuple[torch.Tensor, int]:
         """Positions of the prompt tokens and the delta that continues them for generated tokens.

@@ -5,13 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashvlm.layers.activation import get_activation
-from flashvlm.layers.attention import ForwardContext
 from flashvlm.models.decoder import PACKED_PROJECTIONS, DecoderModel
-from flashvlm.models.interfaces import KVCacheSpec, VLModel
+from flashvlm.models.interfaces import VLModel
 from flashvlm.models.vision.clip import CLIP_PACKED_PROJECTIONS, CLIPVisionTower
 from flashvlm.models.weight_utils import load_params
 from flashvlm.request import MMItem
@@ -78,23 +76,14 @@ class LlavaForConditionalGeneration(VLModel):
             self.vision_tower.out_features, text_cfg.hidden_size,
             getattr(hf_config, "projector_hidden_act", "gelu"),
             getattr(hf_config, "multimodal_projector_bias", True))
-        self.language_model = DecoderModel(text_cfg, qkv_bias=getattr(text_cfg, "attention_bias", False),
-                                           mrope=False)
-        # transformers copies a text-config tie flag up to the top level; read both for older configs.
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False)
-                                        or getattr(text_cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else \
-            nn.Linear(text_cfg.hidden_size, text_cfg.vocab_size, bias=False)
+        self.init_language_model(hf_config, DecoderModel(
+            text_cfg, qkv_bias=getattr(text_cfg, "attention_bias", False), mrope=False))
 
     @property
     def tokens_per_image(self) -> int:
         return self.vision_tower.num_patches + (0 if self.drop_cls else 1)
 
-    def kv_cache_spec(self) -> KVCacheSpec:
-        return self.language_model.kv_cache_spec()
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_tokens(input_ids)
 
     def encode_images(self, items: list[MMItem]) -> list[torch.Tensor]:
         if not items:
@@ -117,14 +106,7 @@ class LlavaForConditionalGeneration(VLModel):
             features = features[:, 1:]
         return list(self.multi_modal_projector(features).unbind(0))
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        return self.language_model(inputs_embeds, positions, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return F.linear(hidden, self.language_model.embed_tokens.weight)
-        return self.lm_head(hidden)
 
     def _param_name(self, ckpt_name: str) -> str | None:
         for src, dst in _LM_PREFIXES:

@@ -9,12 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from flashvlm.layers.attention import ForwardContext
 from flashvlm.models.decoder import PACKED_PROJECTIONS, DecoderModel
-from flashvlm.models.interfaces import KVCacheSpec, VLModel
+from flashvlm.models.interfaces import VLModel
 from flashvlm.models.vision.qwen_vit import (
     QWEN_VIT_PACKED_PROJECTIONS,
     Grid,
@@ -65,18 +62,9 @@ class Qwen2VLForConditionalGeneration(VLModel):
         if self.visual.out_features != text_cfg.hidden_size:
             raise ValueError(f"vision tower yields {self.visual.out_features}-wide tokens, "
                              f"the language model is {text_cfg.hidden_size} wide")
-        self.language_model = DecoderModel(text_cfg, qkv_bias=True, mrope=True)
-        # transformers copies a text-config tie flag up to the top level; read both for older configs.
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False)
-                                        or getattr(text_cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else \
-            nn.Linear(text_cfg.hidden_size, text_cfg.vocab_size, bias=False)
+        self.init_language_model(hf_config, DecoderModel(text_cfg, qkv_bias=True, mrope=True))
 
-    def kv_cache_spec(self) -> KVCacheSpec:
-        return self.language_model.kv_cache_spec()
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_tokens(input_ids)
 
     def _grid(self, item: MMItem) -> Grid:
         if item.grid_thw is None:
@@ -99,14 +87,7 @@ class Qwen2VLForConditionalGeneration(VLModel):
         features = self.visual(pixels, grids)
         return list(features.split([item.num_tokens for item in items]))
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        return self.language_model(inputs_embeds, positions, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return F.linear(hidden, self.language_model.embed_tokens.weight)
-        return self.lm_head(hidden)
 
     def prompt_positions(self, prompt_token_ids: list[int],
                          mm_items: list[MMItem]) -> tuple[torch.Tensor, int]:

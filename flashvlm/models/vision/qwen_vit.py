@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from flashvlm.layers.activation import SiluAndMul, get_activation
-from flashvlm.layers.linear import MergedLinear
+from flashvlm.layers.activation import get_activation
+from flashvlm.layers.mlp import GatedMLP
 from flashvlm.layers.norm import RMSNorm
 from flashvlm.layers.rotary import rotate_half
 from flashvlm.layers.vision_attention import varlen_attention
@@ -122,22 +122,6 @@ class Qwen2VisionMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
-
-
-class Qwen2_5VisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedLinear(dim, [hidden, hidden], bias=True)
-        self.down_proj = nn.Linear(hidden, dim)
-        self.act_and_mul = SiluAndMul() if act == "silu" else None
-        self.act = get_activation(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.act_and_mul is not None:
-            return self.down_proj(self.act_and_mul(gate_up))
-        gate, up = self.gate_up_proj.split_output(gate_up)
-        return self.down_proj(self.act(gate) * up)
 
 
 class VisionBlock(nn.Module):
@@ -252,7 +236,7 @@ class Qwen2_5VisionTower(QwenVisionTower):
     def __init__(self, cfg) -> None:
         dim = cfg.hidden_size
         super().__init__(cfg, dim, cfg.out_hidden_size, _rms_norm,
-                         lambda: Qwen2_5VisionMLP(dim, cfg.intermediate_size, cfg.hidden_act))
+                         lambda: GatedMLP(dim, cfg.intermediate_size, cfg.hidden_act, bias=True))
         self.window = cfg.window_size // self.merge // cfg.patch_size
         if self.window < 1:
             raise ValueError(f"window_size {cfg.window_size} is smaller than one merged token "
