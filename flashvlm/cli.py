@@ -66,6 +66,9 @@ def _build_parser() -> argparse.ArgumentParser:
     from flashvlm.bench.cli import build_parser as build_bench_parser
 
     build_bench_parser(sub)
+    from flashvlm.server.cli import build_parser as build_serve_parser
+
+    build_serve_parser(sub)
     return parser
 
 
@@ -121,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             from flashvlm.bench.cli import run as run_bench
 
             return run_bench(args)
+        if args.command == "serve":
+            from flashvlm.server.cli import run as run_serve
+
+            return run_serve(args)
         return _generate(args)
     except (InvalidRequestError, ConfigError, MissingWeightError, UnsupportedModelError, FileNotFoundError,
             ValueError) as e:

@@ -1,0 +1,208 @@
+"""The OpenAI-compatible HTTP API (FastAPI): routes, error bodies, request ids, optional API key.
+
+Every error is answered as `{"error": {"message", "type", "param", "code"}}`; bad input is always a 4xx (FastAPI's
+422 for a body that does not validate becomes OpenAI's 400), and only a fault of the server itself is a 5xx.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import MutableHeaders
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from flashvlm import __version__
+from flashvlm.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError
+from flashvlm.request import InvalidRequestError
+from flashvlm.server.protocol import (
+    APIError,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelList,
+)
+from flashvlm.server.serving import OpenAIServing, ServerSettings
+
+logger = logging.getLogger("flashvlm.server")
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text} for code, text in (
+        (400, "invalid request (malformed JSON, bad fields, bad images, prompt too long, ...)"),
+        (401, "missing or wrong API key (--api-key)"),
+        (403, "media source not allowed (local file outside --allowed-local-media-path)"),
+        (404, "unknown model"),
+        (413, "request body too large"),
+        (429, "too many requests waiting; retry after the Retry-After header's seconds"),
+        (500, "the engine failed while running the request"),
+        (503, "the engine is not running"),
+    )}
+_STREAM_DOC = {"text/event-stream": {"schema": {"type": "string", "description": "data: <chunk JSON> events, "
+                                                "then data: [DONE]"}}}
+
+
+def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: Any = None, tracer: Any = None) -> FastAPI:
+    """The ASGI app over a running AsyncEngine. `metrics`: an EngineMetrics (serves /metrics); `tracer`: a Tracer."""
+    app = FastAPI(title="flashvlm OpenAI-compatible API", version=__version__,
+                  description="Chat and text completions for vision-language models; see docs/server.md.")
+    serving = OpenAIServing(engine, settings, metrics, tracer)
+    app.state.serving = serving
+    app.state.engine = engine
+    _install_error_handlers(app)
+    max_body = _max_body_bytes(settings)
+    app.add_middleware(_RequestIdAndLimits, api_key=settings.api_key, max_body_bytes=max_body)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={200: {"content": _STREAM_DOC, "model": ChatCompletionChunk}, **_ERRORS})
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        """Chat with text and images (`image_url` parts); `stream: true` answers with server-sent events."""
+        return await serving.chat(request, raw_request)
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={200: {"content": _STREAM_DOC}, **_ERRORS})
+    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+        """Text completion of one prompt (text or token ids)."""
+        return await serving.completion(request, raw_request)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> dict[str, Any]:
+        return serving.models()
+
+    @app.get("/health", responses={503: _ERRORS[503]})
+    async def health() -> Response:
+        if not engine.is_alive:
+            return error_response(503, "the engine is not running", "service_unavailable", code="engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus_metrics() -> Response:
+        if metrics is None:
+            return error_response(404, "metrics are not enabled on this server", code="metrics_disabled")
+        metrics.update_engine_stats(engine.stats())
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+def _max_body_bytes(settings: ServerSettings) -> int:
+    # Every allowed image as base64 (4/3 of its bytes) plus room for the text of a long conversation.
+    m = settings.media
+    return max(1, m.limit_images) * m.max_image_bytes * 4 // 3 + 16 * 1024 * 1024
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(_: Request, e: InvalidRequestError) -> JSONResponse:
+        return error_response(400, str(e), code="invalid_request")
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        return _validation_response(e)
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(_: Request, e: QueueFullError) -> JSONResponse:
+        return error_response(429, str(e), "rate_limit_error", code="queue_full",
+                              headers={"Retry-After": str(max(1, round(e.retry_after_s)))})
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        return error_response(503, str(e), "service_unavailable", code="engine_dead")
+
+    @app.exception_handler(EngineStepError)
+    async def engine_step(_: Request, e: EngineStepError) -> JSONResponse:
+        return error_response(500, str(e), "server_error", code="engine_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500
+                              else "server_error", headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return error_response(500, f"internal server error: {type(e).__name__}", "server_error")
+
+
+def _validation_response(e: RequestValidationError) -> JSONResponse:
+    errors = e.errors()
+    if not errors:
+        return error_response(400, "invalid request", code="invalid_request")
+    if any(err.get("type") == "json_invalid" for err in errors):
+        err = next(err for err in errors if err.get("type") == "json_invalid")
+        return error_response(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}",
+                              code="invalid_json")
+    # A union field reports one error per alternative; the deepest one names the actual problem.
+    first = max(errors, key=lambda err: len(err.get("loc", ())))
+    loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _is_union_branch(x)]
+    where = ".".join(loc)
+    message = f"{where}: {first['msg']}" if where else str(first["msg"])
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem(s))"
+    return error_response(400, message, param=loc[0] if loc else None, code="invalid_request")
+
+
+def _is_union_branch(part: object) -> bool:
+    # pydantic names the alternative it tried in the location: 'str', 'list[...]', 'function-after[...]'.
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "none", "list",
+                                                              "dict"))
+
+
+class _RequestIdAndLimits:
+    """Echo (or assign) `x-request-id`, refuse oversized bodies before reading them, check the API key."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        state = scope.setdefault("state", {})
+        state["request_id"] = headers.get("x-request-id") or uuid.uuid4().hex
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).append("x-request-id", str(state["request_id"]))
+            await send(message)
+
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            resp = error_response(413, f"the body is {length} bytes; the limit is {self.max_body_bytes}",
+                                  code="request_too_large")
+            await resp(scope, receive, send_with_id)
+            return
+        if self.api_key is not None and scope["path"].startswith("/v1/"):
+            given = headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                resp = error_response(401, "missing or invalid API key", "authentication_error",
+                                      code="invalid_api_key")
+                await resp(scope, receive, send_with_id)
+                return
+        await self.app(scope, receive, send_with_id)

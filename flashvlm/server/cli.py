@@ -1,0 +1,126 @@
+"""`flashvlm serve`: the OpenAI-compatible server. Flags are named like `vllm serve`'s where the meaning matches."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from flashvlm.cli import _add_engine_args, _engine_kwargs
+from flashvlm.server import media
+
+_DESCRIPTION = """Serve a vision-language model over an OpenAI-compatible HTTP API:
+POST /v1/chat/completions (text and image_url parts), POST /v1/completions, GET /v1/models, /health, /metrics.
+
+  flashvlm serve --model /path/to/Qwen2-VL-7B-Instruct --port 8000
+  curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+      -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
+
+Without --model the embedded tiny model (random weights) is served. See docs/server.md."""
+
+
+def build_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", description=_DESCRIPTION,
+                       formatter_class=_Formatter)
+    _add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; 0.0.0.0 for every interface (default: %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) clients put in `model` (default: the --model argument); the first is the "
+                        "one /v1/models lists first and a request without `model` gets")
+    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* routes")
+    g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    g.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (default: %(default)s)")
+    g.add_argument("--num-processing-threads", type=int, default=2,
+                   help="threads for image decoding, preprocessing and tokenization, off the event loop "
+                        "(default: %(default)s)")
+    m = p.add_argument_group("images")
+    m.add_argument("--limit-mm-per-prompt", default=f"image={media.DEFAULT_LIMIT_IMAGES}", metavar="SPEC",
+                   help="most images per prompt: image=4 or '{\"image\": 4}' (default: %(default)s)")
+    m.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="let image_url name local files under DIR (path or file:// URL); refused without it")
+    m.add_argument("--allow-remote-images", action="store_true",
+                   help="fetch http(s) image URLs (off by default: the server would make requests for clients)")
+    m.add_argument("--max-image-bytes", type=int, default=media.DEFAULT_MAX_IMAGE_BYTES,
+                   help="largest encoded image accepted, in bytes (default: %(default)s)")
+    m.add_argument("--max-image-pixels", type=int, default=media.DEFAULT_MAX_IMAGE_PIXELS,
+                   help="largest image accepted, in width x height pixels, read from the header "
+                        "(default: %(default)s)")
+    m.add_argument("--remote-image-timeout", type=float, default=10.0,
+                   help="seconds to fetch one remote image (default: %(default)s)")
+    s = p.add_argument_group("scheduling and SLA")
+    s.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="admission bound: beyond this many requests waiting (ahead of a new one, counting its tier "
+                        "and better), answer 429 with Retry-After; with tiers the total stays under twice this "
+                        "(default: %(default)s)")
+    s.add_argument("--sla-config", default=None, metavar="YAML",
+                   help="SLA tier file (gold/silver/bronze: priority, P99 TTFT/TPOT targets); default: the packaged "
+                        "flashvlm/configs/sla_tiers.yaml; 'none': no tiers, requests use vLLM's `priority`")
+    s.add_argument("--adaptive-token-budget", action=argparse.BooleanOptionalAction, default=None,
+                   help="adapt the per-step token budget to the tightest running tier's TPOT target "
+                        "(default: on when --sla-config names a file)")
+    o = p.add_argument_group("observability")
+    o.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces (a span per request) to this OTLP endpoint; needs flashvlm[tracing]")
+    o.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    # Not ArgumentDefaultsHelpFormatter: the shared engine flags already name their defaults in their help.
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from flashvlm.engine.async_engine import AsyncEngine
+    from flashvlm.engine.sla import AdaptiveBudgetController, AdmissionController, load_tiers
+    from flashvlm.llm import LLM
+    from flashvlm.models.default import DEFAULT_MODEL_NAME
+    from flashvlm.server.app import build_app
+    from flashvlm.server.metrics import EngineMetrics
+    from flashvlm.server.serving import ServerSettings
+    from flashvlm.server.tracing import Tracer
+
+    policy = media.MediaPolicy(max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
+                               limit_images=media.parse_limit_mm_per_prompt(args.limit_mm_per_prompt),
+                               allowed_local_media_path=args.allowed_local_media_path,
+                               allow_remote_images=args.allow_remote_images,
+                               remote_timeout_s=args.remote_image_timeout)
+    if policy.allowed_local_media_path is not None and not policy.allowed_local_media_path.is_dir():
+        raise ValueError(f"--allowed-local-media-path {args.allowed_local_media_path!r} is not a directory")
+    no_tiers = args.sla_config is not None and args.sla_config.lower() == "none"
+    tiers = None if no_tiers else load_tiers(args.sla_config)
+    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    if args.model is None:
+        print("note: no --model given; serving the embedded tiny model with RANDOM weights", file=sys.stderr)
+    llm = LLM(args.model, **_engine_kwargs(args))
+    sched = llm.engine.config.scheduler
+    adaptive = args.adaptive_token_budget if args.adaptive_token_budget is not None else (
+        args.sla_config is not None and not no_tiers)
+    controller = None
+    if adaptive and tiers is not None:
+        budget = sched.max_num_batched_tokens
+        controller = AdaptiveBudgetController(budget, min(sched.max_num_seqs, budget), budget, tiers)
+    engine = AsyncEngine(llm.engine, max_waiting_requests=args.max_waiting_requests,
+                         admission=AdmissionController(args.max_waiting_requests), budget_controller=controller,
+                         num_processing_threads=args.num_processing_threads)
+    metrics = EngineMetrics(names[0], tiers=tiers.names if tiers else ["default"], max_model_len=engine.max_model_len)
+    tracer = Tracer.create(args.otlp_traces_endpoint)
+    settings = ServerSettings(served_model_names=names, model_path=args.model, media=policy, tiers=tiers,
+                              api_key=args.api_key, disable_log_requests=args.disable_log_requests)
+    app = build_app(engine, settings, metrics, tracer)
+    logging.getLogger("flashvlm.server").setLevel(logging.WARNING if args.disable_log_requests else logging.INFO)
+    print(f"flashvlm serving {names[0]} on http://{args.host}:{args.port}/v1 (max_model_len {engine.max_model_len})",
+          file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+        tracer.shutdown()
+    return 0

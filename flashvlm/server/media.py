@@ -1,0 +1,232 @@
+"""Where request images may come from, and how big they may be.
+
+Policy (all limits are server flags):
+- `data:image/...;base64,...` URIs are always accepted, up to `max_image_bytes` decoded bytes;
+- local files (a path or a `file://` URL) only under `--allowed-local-media-path` (resolved, so `..` and
+  symlinks cannot leave it); without that flag every path is refused (403);
+- `http(s)://` URLs only with `--allow-remote-images`, fetched with a timeout and a byte cap;
+- at most `limit_images` images per prompt; each at most `max_image_pixels` pixels, read from the image header
+  before any pixel is decoded.
+
+Everything is turned into bytes here, so the engine only ever decodes bytes it was handed.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from PIL import Image
+
+from flashvlm.request import InvalidRequestError
+from flashvlm.server.protocol import APIError, bad_request
+
+DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
+DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
+DEFAULT_LIMIT_IMAGES = 16
+_SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+@dataclass
+class MediaPolicy:
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    limit_images: int = DEFAULT_LIMIT_IMAGES
+    allowed_local_media_path: Path | None = None
+    allow_remote_images: bool = False
+    remote_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.allowed_local_media_path is not None:
+            self.allowed_local_media_path = Path(self.allowed_local_media_path).resolve()
+
+
+def parse_limit_mm_per_prompt(value: str) -> int:
+    """`image=4`, `{"image": 4}` (vLLM's two spellings) or a bare `4` -> images per prompt."""
+    import json
+
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--limit-mm-per-prompt: invalid JSON {value!r}: {e}") from None
+    elif "=" in text:
+        data = dict(item.split("=", 1) for item in text.split(","))
+    else:
+        data = {"image": text}
+    unknown = set(data) - {"image"}
+    if unknown:
+        raise ValueError(f"--limit-mm-per-prompt: only 'image' is supported, got {sorted(unknown)}")
+    try:
+        limit = int(data.get("image", DEFAULT_LIMIT_IMAGES))
+    except (TypeError, ValueError):
+        raise ValueError(f"--limit-mm-per-prompt: image limit must be an integer, got {value!r}") from None
+    if limit < 0:
+        raise ValueError("--limit-mm-per-prompt: image limit must be >= 0")
+    return limit
+
+
+def image_parts(messages: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str]]:
+    """(part, url) for every image_url part, in order; the part dicts are the ones to rewrite."""
+    found = []
+    for msg in messages:
+        content = msg.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if part.get("type") == "image_url":
+                    url = part["image_url"]
+                    found.append((part, url["url"] if isinstance(url, dict) else url))
+    return found
+
+
+def check_image_count(num_images: int, policy: MediaPolicy) -> None:
+    if num_images > policy.limit_images:
+        raise bad_request(f"{num_images} images in one prompt; at most {policy.limit_images} are allowed "
+                          "(--limit-mm-per-prompt)", "messages", "too_many_images")
+
+
+def is_remote(url: str) -> bool:
+    return url.startswith(("http://", "https://"))
+
+
+def set_image_bytes(part: dict[str, Any], data: bytes) -> None:
+    """Rewrite an image_url part in place into an `image` part holding the bytes (what the engine decodes)."""
+    part.clear()
+    part.update({"type": "image", "image": data})
+
+
+def load_image_bytes(url: str, policy: MediaPolicy, index: int) -> bytes:
+    """Bytes of a data URI or an allowed local file, with the byte and pixel limits checked. Blocking (file
+    reads): call off the event loop."""
+    if url.startswith("data:"):
+        data = _decode_data_uri(url, policy, index)
+    elif is_remote(url):
+        raise AssertionError("remote images are fetched by fetch_remote_image")
+    elif _SCHEME_RE.match(url) and not url.startswith("file://"):
+        raise bad_request(f"image {index}: unsupported URL scheme in {url[:40]!r}; send a data URI", "messages",
+                          "invalid_image_url")
+    else:
+        data = _read_local(url, policy, index)
+    check_pixels(data, policy, index)
+    return data
+
+
+async def fetch_remote_image(url: str, policy: MediaPolicy, index: int) -> bytes:
+    if not policy.allow_remote_images:
+        raise bad_request(f"image {index}: http(s) image URLs are disabled on this server (--allow-remote-images); "
+                          "send the image as a data URI", "messages", "remote_images_disabled")
+    import httpx
+
+    limit = policy.max_image_bytes
+    try:
+        async with httpx.AsyncClient(timeout=policy.remote_timeout_s, follow_redirects=True,
+                                     max_redirects=3) as client, client.stream("GET", url) as resp:
+            if resp.status_code != 200:
+                raise bad_request(f"image {index}: fetching {url[:200]!r} gave HTTP {resp.status_code}", "messages",
+                                  "invalid_image_url")
+            declared = resp.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise _too_big(index, int(declared), limit)
+            buf = bytearray()
+            async for chunk in resp.aiter_bytes():
+                buf += chunk
+                if len(buf) > limit:
+                    raise _too_big(index, len(buf), limit)
+    except httpx.HTTPError as e:
+        raise bad_request(f"image {index}: fetching {url[:200]!r} failed: {type(e).__name__}: {e}", "messages",
+                          "invalid_image_url") from None
+    return bytes(buf)
+
+
+def check_pixels(data: bytes, policy: MediaPolicy, index: int) -> None:
+    """Refuse an image over the pixel limit from its header alone (no pixel is decoded here)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as img:
+                width, height = img.size
+    except Image.DecompressionBombError:
+        raise _too_many_pixels(index, None, policy.max_image_pixels) from None
+    except Exception:
+        raise InvalidRequestError(f"image {index}: cannot decode the image: corrupt or not an image in a "
+                                  f"supported format ({len(data)} bytes)") from None
+    if width * height > policy.max_image_pixels:
+        raise _too_many_pixels(index, (width, height), policy.max_image_pixels)
+
+
+def _too_big(index: int, size: int, limit: int) -> APIError:
+    return bad_request(f"image {index} is {size} bytes; the limit is {limit} bytes (--max-image-bytes)", "messages",
+                       "image_too_large")
+
+
+def _too_many_pixels(index: int, size: tuple[int, int] | None, limit: int) -> APIError:
+    what = f"{size[0]}x{size[1]} = {size[0] * size[1]} pixels" if size else "a decompression bomb"
+    return bad_request(f"image {index} is {what}; the limit is {limit} pixels (--max-image-pixels)", "messages",
+                       "image_too_large")
+
+
+def _decode_data_uri(url: str, policy: MediaPolicy, index: int) -> bytes:
+    header, sep, payload = url.partition(",")
+    media = header[len("data:"):].split(";")
+    if not sep or "base64" not in media[1:]:
+        raise bad_request(f"image {index}: a data URI must look like data:image/png;base64,<data>", "messages",
+                          "invalid_image_url")
+    if media[0] and not media[0].startswith("image/"):
+        raise bad_request(f"image {index}: data URI media type must be image/*, got {media[0][:40]!r}", "messages",
+                          "invalid_image_url")
+    payload = "".join(payload.split())  # clients wrap long base64 lines
+    # Checked before decoding, so an oversized upload costs no decode: 4 base64 chars carry 3 bytes.
+    approx = len(payload) * 3 // 4 - payload[-2:].count("=")
+    if approx > policy.max_image_bytes:
+        raise _too_big(index, approx, policy.max_image_bytes)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        try:  # the URL-safe alphabet some clients use
+            data = base64.b64decode(payload, altchars=b"-_", validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise bad_request(f"image {index}: invalid base64 in the data URI: {e}", "messages",
+                              "invalid_base64") from None
+    if not data:
+        raise bad_request(f"image {index}: the data URI holds no data", "messages", "invalid_image_url")
+    return data
+
+
+def _read_local(url: str, policy: MediaPolicy, index: int) -> bytes:
+    root = policy.allowed_local_media_path
+    if root is None:
+        raise APIError(403, f"image {index}: local file paths are not allowed on this server; send a data URI "
+                       "(or start the server with --allowed-local-media-path DIR)", "permission_error", "messages",
+                       "local_media_not_allowed")
+    raw = unquote(urlparse(url).path) if url.startswith("file://") else url
+    if not raw or "\x00" in raw:
+        raise bad_request(f"image {index}: empty or invalid file path", "messages", "invalid_image_url")
+    path = Path(raw)
+    try:
+        # resolve() follows symlinks and '..', so the containment test sees where the bytes really are.
+        resolved = (path if path.is_absolute() else root / path).resolve()
+    except (OSError, RuntimeError) as e:
+        raise bad_request(f"image {index}: invalid file path: {e}", "messages", "invalid_image_url") from None
+    if not resolved.is_relative_to(root):
+        raise APIError(403, f"image {index}: {raw[:200]!r} is outside the allowed media directory", "permission_error",
+                       "messages", "local_media_not_allowed")
+    try:
+        size = resolved.stat().st_size
+        if not resolved.is_file():
+            raise bad_request(f"image {index}: {raw[:200]!r} is not a file", "messages", "invalid_image_url")
+        if size > policy.max_image_bytes:
+            raise _too_big(index, size, policy.max_image_bytes)
+        return resolved.read_bytes()
+    except FileNotFoundError:
+        raise bad_request(f"image {index}: file not found: {raw[:200]!r}", "messages", "invalid_image_url") from None
+    except OSError as e:
+        raise bad_request(f"image {index}: cannot read {raw[:200]!r}: {e.strerror or e}", "messages",
+                          "invalid_image_url") from None

@@ -1,0 +1,333 @@
+"""Wire format of the OpenAI-compatible API: request and response bodies (pydantic v2), errors, and the
+mapping from a request to `SamplingParams`.
+
+Unknown request fields are accepted and ignored (the OpenAI client sends fields we have no use for, such as
+`store` or `metadata`); fields we recognise but cannot honour (`n` > 1, `logprobs`, non-zero presence or
+frequency penalties, `tools`, `logit_bias`, JSON `response_format`, `echo`, `suffix`) are refused with 400
+rather than silently ignored, so a client never gets an answer computed differently from what it asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from flashvlm.request import SamplingParams
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# Temperatures this small divide logits into infinities; treat them as greedy (as vLLM does).
+_GREEDY_TEMPERATURE = 1e-5
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's `{"error": {...}}` body with this HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+# ---- errors ------------------------------------------------------------------------------------
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---- requests ----------------------------------------------------------------------------------
+class _Request(BaseModel):
+    # Extra fields are kept (not rejected) so newer OpenAI clients keep working; NaN and inf are never valid.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    url: str = Field(description="data:image/...;base64,... URI; a file path or file:// URL under "
+                                 "--allowed-local-media-path; http(s) only with --allow-remote-images")
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="accepted and ignored")
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURLPart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="accepted and ignored")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str = "text"
+
+
+class _SamplingFields(_Request):
+    """Fields shared by both endpoints; names and meanings as OpenAI's and vLLM's."""
+
+    model: str | None = Field(None, description="must be one of the served model names (default: the first)")
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, description="only 1 is supported")
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
+    presence_penalty: float = Field(0.0, description="only 0 is supported")
+    frequency_penalty: float = Field(0.0, description="only 0 is supported")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported")
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = Field(None, description="-1 or 0 disables")
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    priority: int = Field(0, ge=_INT64_MIN, le=_INT64_MAX,
+                          description="lower is served first; ignored when an SLA tier applies")
+    request_id: str | None = Field(None, max_length=256)
+    sla_tier: str | None = Field(None, description="SLA tier name (or the x-sla-tier header)")
+
+    def common_checks(self) -> None:
+        if self.n != 1:
+            raise bad_request(f"n={self.n} is not supported; only n=1", "n")
+        if self.presence_penalty != 0.0:
+            raise bad_request("presence_penalty is not supported (only 0); use repetition_penalty", "presence_penalty")
+        if self.frequency_penalty != 0.0:
+            raise bad_request("frequency_penalty is not supported (only 0); use repetition_penalty",
+                              "frequency_penalty")
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = Field(False, description="not supported")
+    top_logprobs: int | None = Field(None, description="not supported")
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported")
+    tool_choice: Any = None
+    mm_processor_kwargs: dict[str, int] | None = Field(None, description="e.g. min_pixels / max_pixels (Qwen)")
+
+    def check(self) -> None:
+        self.common_checks()
+        if self.logprobs or self.top_logprobs:
+            raise bad_request("logprobs are not supported", "logprobs")
+        if self.tools:
+            raise bad_request("tools (function calling) are not supported", "tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise bad_request(f"response_format {self.response_format.type!r} is not supported; only 'text'",
+                              "response_format")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def engine_messages(self) -> list[dict[str, Any]]:
+        """Messages as the engine's chat processing takes them (developer = system, as OpenAI defines it)."""
+        out = []
+        for m in self.messages:
+            role = "system" if m.role == "developer" else m.role
+            if isinstance(m.content, list):
+                content: Any = [p.model_dump(exclude_none=True) for p in m.content]
+            else:
+                content = m.content or ""
+            out.append({"role": role, "content": content})
+        return out
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="one prompt: text, or token ids (a list of one prompt is accepted too)")
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = Field(False, description="not supported")
+    suffix: str | None = Field(None, description="not supported")
+    best_of: int | None = Field(None, description="only 1 is supported")
+    logprobs: int | None = Field(None, description="not supported")
+
+    def check(self) -> None:
+        self.common_checks()
+        if self.logprobs is not None:
+            raise bad_request("logprobs are not supported", "logprobs")
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if self.best_of not in (None, 1):
+            raise bad_request("best_of > 1 is not supported", "best_of")
+
+    def engine_prompt(self) -> dict[str, Any]:
+        p = self.prompt
+        if isinstance(p, list) and len(p) > 0 and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise bad_request(f"batched prompts ({len(p)}) are not supported; send one request per prompt",
+                                  "prompt")
+            p = p[0]
+        if isinstance(p, str):
+            return {"prompt": p}
+        if not p:
+            raise bad_request("the prompt is empty", "prompt")
+        return {"prompt_token_ids": list(p)}
+
+
+def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, defaults: SamplingParams,
+                       num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    """SamplingParams from the request over the model's defaults (generation_config.json), as vLLM does.
+    Without max_tokens a request may use the rest of the context. Raises InvalidRequestError on bad values."""
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise APIError(400, f"the prompt is {num_prompt_tokens} tokens long; max_model_len is {max_model_len} "
+                       "(the prompt plus at least one generated token must fit)",
+                       param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                       code="context_length_exceeded")
+    max_tokens = req.requested_max_tokens()
+    if max_tokens is None:
+        max_tokens = max(1, room)
+    elif max_tokens > room:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+                       f"{num_prompt_tokens} and max_tokens asks for {max_tokens} more", param="max_tokens",
+                       code="context_length_exceeded")
+    fields: dict[str, Any] = {"max_tokens": max_tokens, "min_tokens": req.min_tokens, "ignore_eos": req.ignore_eos,
+                              "skip_special_tokens": req.skip_special_tokens, "seed": req.seed}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            fields[name] = value
+    if fields.get("temperature") is not None and fields["temperature"] < _GREEDY_TEMPERATURE:
+        fields["temperature"] = 0.0
+    if req.stop is not None:
+        fields["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if req.stop_token_ids is not None:
+        fields["stop_token_ids"] = list(req.stop_token_ids)
+    return dataclasses.replace(defaults, **fields)  # replace() re-runs validation in __post_init__
+
+
+# ---- responses ---------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+def usage(num_prompt: int, num_completion: int, num_cached: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                     total_tokens=num_prompt + num_completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached))
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "flashvlm"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

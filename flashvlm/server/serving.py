@@ -1,0 +1,332 @@
+"""Request handling behind the routes: validation, SLA tier, admission, preprocessing off the event loop, then a
+streamed (SSE) or collected response. Metrics and traces are recorded when a request ends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from flashvlm.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError, RequestStream
+from flashvlm.engine.scheduler import KV_CAPACITY_STOP_REASON
+from flashvlm.processing.input_processor import ProcessedPrompt
+from flashvlm.request import InvalidRequestError, RequestOutput, SamplingParams
+from flashvlm.server import media
+from flashvlm.server.protocol import (
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    bad_request,
+    to_sampling_params,
+    usage,
+)
+from flashvlm.server.sse import SSEResponse
+
+logger = logging.getLogger("flashvlm.server")
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    model_path: str | None = None
+    media: media.MediaPolicy = field(default_factory=media.MediaPolicy)
+    tiers: Any = None
+    """A flashvlm.engine.sla.TierConfig, or None: then requests carry vLLM's `priority` and no tier."""
+    api_key: str | None = None
+    disable_log_requests: bool = False
+
+
+@dataclass
+class _Started:
+    """A request the engine accepted."""
+
+    stream: RequestStream
+    base_id: str
+    model: str
+    tier: str
+    params: SamplingParams
+    span: Any
+    include_usage: bool
+    final: RequestOutput | None = None
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: Any = None, tracer: Any = None) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.tracer = tracer
+
+    # ---- endpoints ----------------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        st = await self._start(req, raw, lambda: self._prepare_chat(req))
+        if req.stream:
+            return SSEResponse(self._chat_events(st))
+        final = await self._collect(st, raw)
+        if final is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        body = ChatCompletionResponse(
+            id=f"chatcmpl-{st.base_id}", model=st.model,
+            choices=[ChatChoice(message=AssistantMessage(content=final.text), finish_reason=_finish_reason(final),
+                                stop_reason=final.stop_reason)],
+            usage=_usage(final))
+        return JSONResponse(body.model_dump())
+
+    async def completion(self, req: CompletionRequest, raw: Request) -> Response:
+        st = await self._start(req, raw, lambda: self.engine.process_prompt(req.engine_prompt()))
+        if req.stream:
+            return SSEResponse(self._completion_events(st))
+        final = await self._collect(st, raw)
+        if final is None:
+            return Response(status_code=499)
+        body = CompletionResponse(
+            id=f"cmpl-{st.base_id}", model=st.model,
+            choices=[CompletionChoice(text=final.text, finish_reason=_finish_reason(final),
+                                      stop_reason=final.stop_reason)],
+            usage=_usage(final))
+        return JSONResponse(body.model_dump())
+
+    # ---- admission and preprocessing ----------------------------------------------------------
+    async def _start(self, req: ChatCompletionRequest | CompletionRequest, raw: Request,
+                     prepare: Callable[[], Awaitable[ProcessedPrompt]]) -> _Started:
+        arrival = time.time()
+        tier = "default"
+        try:
+            model = self._check_model(req.model)
+            req.check()
+            tier, priority = self._tier(req, raw)
+            try:
+                slot = self.engine.reserve(priority)
+            except QueueFullError as e:
+                raise APIError(429, str(e), "rate_limit_error", None, "queue_full",
+                               {"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from None
+            try:
+                processed = await prepare()
+                params = to_sampling_params(req, self.engine.default_sampling_params(),
+                                            len(processed.prompt_token_ids), self.engine.max_model_len)
+                base_id = req.request_id or raw.state.request_id
+                raw.state.request_id = base_id
+                stream = await self.engine.add_request(processed, params, request_id=base_id, priority=priority,
+                                                       tier=tier, arrival_time=arrival, slot=slot)
+            finally:
+                slot.release()
+        except (APIError, InvalidRequestError) as e:
+            if self.metrics is not None:
+                status = e.status if isinstance(e, APIError) else 400
+                self.metrics.reject(_REJECT_REASONS.get(status, "invalid"), tier)
+            raise
+        span = None
+        if self.tracer is not None:
+            from flashvlm.server.tracing import gen_ai_request_attributes
+
+            attrs = gen_ai_request_attributes(model, params, req.stream)
+            span = self.tracer.start_request_span(base_id, raw.headers.get("traceparent"), attrs, start_time=arrival)
+        if not self.settings.disable_log_requests:
+            logger.info("request %s: tier=%s priority=%d prompt_tokens=%d images=%d max_tokens=%d stream=%s",
+                        base_id, tier, priority, len(processed.prompt_token_ids), len(processed.mm_items),
+                        params.max_tokens, req.stream)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _Started(stream, base_id, model, tier, params, span, include_usage)
+
+    def _check_model(self, model: str | None) -> str:
+        names = self.settings.served_model_names
+        if model is None:
+            return names[0]
+        if model not in names:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {names}",
+                           "invalid_request_error", "model", "model_not_found")
+        return model
+
+    def _tier(self, req: ChatCompletionRequest | CompletionRequest, raw: Request) -> tuple[str, int]:
+        """(tier label, scheduler priority). A tier sets the priority unless the body gives `priority` itself."""
+        name = req.sla_tier if req.sla_tier is not None else raw.headers.get("x-sla-tier")
+        tiers = self.settings.tiers
+        if tiers is None:
+            if name is not None:
+                raise bad_request("SLA tiers are not configured on this server (--sla-config)", "sla_tier")
+            return "default", req.priority
+        try:
+            tier = tiers.resolve(name)
+        except ValueError as e:
+            raise bad_request(str(e), "sla_tier", "unknown_sla_tier") from None
+        priority = req.priority if "priority" in req.model_fields_set else tier.priority
+        return tier.name, priority
+
+    async def _prepare_chat(self, req: ChatCompletionRequest) -> ProcessedPrompt:
+        policy = self.settings.media
+        messages = req.engine_messages()
+        parts = media.image_parts(messages)
+        media.check_image_count(len(parts), policy)
+        fetched = {i: await media.fetch_remote_image(url, policy, i)
+                   for i, (_, url) in enumerate(parts) if media.is_remote(url)}
+
+        def work() -> ProcessedPrompt:  # file reads, base64, image decode, tokenization: all off the event loop
+            for i, (part, url) in enumerate(parts):
+                if i in fetched:
+                    media.check_pixels(fetched[i], policy, i)
+                    media.set_image_bytes(part, fetched[i])
+                else:
+                    media.set_image_bytes(part, media.load_image_bytes(url, policy, i))
+            return self.engine.engine.process_chat(messages, mm_processor_kwargs=req.mm_processor_kwargs)
+
+        return await self.engine.run_in_executor(work)
+
+    # ---- responses ----------------------------------------------------------------------------
+    async def _collect(self, st: _Started, raw: Request) -> RequestOutput | None:
+        """The final output; None if the client went away first (the request is then aborted)."""
+
+        async def consume() -> RequestOutput | None:
+            last = None
+            async for out in st.stream:
+                last = out
+            return last
+
+        task = asyncio.ensure_future(consume())
+        gone = asyncio.ensure_future(_wait_disconnect(raw))
+        final: RequestOutput | None = None
+        error: BaseException | None = None
+        try:
+            done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                final = task.result()  # raises the engine's error, if any
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            gone.cancel()
+            task.cancel()
+            st.stream.close()
+            self._finish(st, final, error)
+        return final
+
+    async def _chat_events(self, st: _Started) -> AsyncIterator[str]:
+        rid, created = f"chatcmpl-{st.base_id}", int(time.time())
+        extra = {"usage": None} if st.include_usage else {}
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model,
+                         "choices": [choice], **extra})
+
+        yield chunk({"role": "assistant", "content": ""})
+        async for piece in self._deltas(st, lambda text: chunk({"content": text}),
+                                        lambda final: chunk({}, _finish_reason(final))):
+            yield piece
+        if st.include_usage and st.final is not None:
+            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model,
+                        "choices": [], "usage": _usage(st.final).model_dump()})
+        yield "data: [DONE]\n\n"
+
+    async def _completion_events(self, st: _Started) -> AsyncIterator[str]:
+        rid, created = f"cmpl-{st.base_id}", int(time.time())
+        extra = {"usage": None} if st.include_usage else {}
+
+        def chunk(text: str, finish: str | None = None) -> str:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return _sse({"id": rid, "object": "text_completion", "created": created, "model": st.model,
+                         "choices": [choice], **extra})
+
+        async for piece in self._deltas(st, chunk, lambda final: chunk("", _finish_reason(final))):
+            yield piece
+        if st.include_usage and st.final is not None:
+            yield _sse({"id": rid, "object": "text_completion", "created": created, "model": st.model,
+                        "choices": [], "usage": _usage(st.final).model_dump()})
+        yield "data: [DONE]\n\n"
+
+    async def _deltas(self, st: _Started, content: Callable[[str], str],
+                      last: Callable[[RequestOutput], str]) -> AsyncIterator[str]:
+        """Text deltas as SSE events, then the finish event; an engine failure becomes an error event."""
+        # The engine's cumulative text may still lose its tail to a stop string a later token completes;
+        # holding back that many characters means nothing streamed is ever taken back.
+        holdback = max((len(s) for s in st.params.stop), default=1) - 1
+        sent = 0
+        final: RequestOutput | None = None
+        error: BaseException | None = None
+        try:
+            async for out in st.stream:
+                text = out.text
+                end = len(text) if out.finished else max(sent, len(text) - holdback)
+                if end > sent:
+                    yield content(text[sent:end])
+                    sent = end
+                if out.finished:
+                    final = out
+            if final is not None:
+                yield last(final)
+        except (EngineStepError, EngineDeadError) as e:
+            error = e
+            yield _sse({"error": {"message": str(e), "type": "server_error", "param": None,
+                                  "code": "engine_error"}})
+        except BaseException as e:  # cancelled: the client went away
+            error = e
+            raise
+        finally:
+            st.stream.close()
+            st.final = final
+            self._finish(st, final, error)
+
+    def _finish(self, st: _Started, final: RequestOutput | None, error: BaseException | None) -> None:
+        if final is not None and self.metrics is not None:
+            self.metrics.observe_finished(final, st.tier, st.stream.inter_token_latencies)
+        if st.span is not None and self.tracer is not None:
+            reason = None if error is None else f"{type(error).__name__}: {error}"
+            self.tracer.finish_request_span(st.span, final, st.tier, error=reason)
+        if not self.settings.disable_log_requests:
+            if final is not None:
+                logger.info("request %s finished: %s, %d tokens", st.base_id, final.finish_reason,
+                            len(final.token_ids))
+            else:
+                logger.info("request %s ended early: %s", st.base_id, type(error).__name__ if error else "disconnect")
+
+    def models(self) -> dict[str, Any]:
+        from flashvlm.server.protocol import ModelCard, ModelList
+
+        root = self.settings.model_path or (str(Path(self.settings.served_model_names[0])))
+        cards = [ModelCard(id=name, created=_START_TIME, root=root, max_model_len=self.engine.max_model_len)
+                 for name in self.settings.served_model_names]
+        return ModelList(data=cards).model_dump()
+
+
+_START_TIME = int(time.time())
+_REJECT_REASONS = {400: "invalid", 403: "forbidden", 404: "unknown_model", 429: "queue_full"}
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _finish_reason(out: RequestOutput) -> str:
+    # The scheduler ends a request that outgrew the whole KV cache; to the client that is a length limit.
+    if out.finish_reason == "abort" and out.stop_reason == KV_CAPACITY_STOP_REASON:
+        return "length"
+    return out.finish_reason or "stop"
+
+
+def _usage(out: RequestOutput) -> UsageInfo:
+    return usage(len(out.prompt_token_ids), len(out.token_ids), getattr(out, "num_cached_tokens", 0) or 0)
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    # The body is already read, so the next ASGI message is the disconnect (no polling).
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
