@@ -41,6 +41,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fused norm/rotary/activation ops: Triton on CUDA tensors, or the torch reference")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (decode steps are captured only with --attention-backend triton on CUDA)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of repeated prefixes, images included (default: on)")
+    g.add_argument("--encoder-cache-tokens", type=int, default=8192,
+                   help="image tokens of vision embeddings kept for reuse once no request needs them")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -78,7 +82,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_tokens=args.kv_cache_tokens,
                 block_size=args.block_size, load_format=args.load_format, seed=args.seed,
                 attention_backend=args.attention_backend, kernel_backend=args.kernel_backend,
-                enforce_eager=args.enforce_eager)
+                enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
+                encoder_cache_tokens=args.encoder_cache_tokens)
 
 
 def _generate(args: argparse.Namespace) -> int:

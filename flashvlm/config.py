@@ -35,6 +35,10 @@ class CacheConfig:
     """Fraction of GPU memory the engine may use (weights, activations and KV cache)."""
     num_blocks: int = 0
     """Filled in by the runner once it has sized the KV cache."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full blocks whose tokens (and images) match an earlier request's prefix."""
+    encoder_cache_tokens: int = 8192
+    """Vision embeddings (in image tokens) kept for reuse after no request needs them; 0 = none kept."""
 
 
 @dataclass
@@ -71,6 +75,8 @@ class EngineConfig:
             raise ConfigError(f"block_size must be a power of two, got {c.block_size}")
         if c.kv_cache_tokens is not None and c.kv_cache_tokens < c.block_size:
             raise ConfigError(f"kv_cache_tokens must be >= block_size ({c.block_size}), got {c.kv_cache_tokens}")
+        if c.encoder_cache_tokens < 0:
+            raise ConfigError(f"encoder_cache_tokens must be >= 0, got {c.encoder_cache_tokens}")
         if not 0.0 < c.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
         if s.max_num_seqs < 1:

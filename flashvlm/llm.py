@@ -17,13 +17,16 @@ class LLM:
     With `model=None` the embedded default (a tiny Qwen2-VL-architecture model) is used.
     `kv_cache_tokens` fixes the KV capacity; otherwise on GPU the cache takes what
     `gpu_memory_utilization` leaves after weights and the profiled activation peak.
+    `enable_prefix_caching` reuses the KV of a repeated prefix (images included); `encoder_cache_tokens`
+    is how many image tokens of vision embeddings are kept for reuse (docs/caching.md).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  gpu_memory_utilization: float = 0.9, kv_cache_tokens: int | None = None, block_size: int = 16,
                  seed: int = 0, load_format: str = "auto", attention_backend: str = "auto",
-                 kernel_backend: str = "triton", enforce_eager: bool = False) -> None:
+                 kernel_backend: str = "triton", enforce_eager: bool = False, enable_prefix_caching: bool = True,
+                 encoder_cache_tokens: int = 8192) -> None:
         if model is None:
             from flashvlm.models.default import default_model_path
 
@@ -32,7 +35,8 @@ class LLM:
             model=ModelConfig(model=model, dtype=dtype, load_format=load_format, seed=seed,
                               max_model_len=max_model_len),
             cache=CacheConfig(block_size=block_size, kv_cache_tokens=kv_cache_tokens,
-                              gpu_memory_utilization=gpu_memory_utilization),
+                              gpu_memory_utilization=gpu_memory_utilization,
+                              enable_prefix_caching=enable_prefix_caching, encoder_cache_tokens=encoder_cache_tokens),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             device=device, attention_backend=attention_backend, kernel_backend=kernel_backend,
             enforce_eager=enforce_eager)

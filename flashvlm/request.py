@@ -115,6 +115,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache at first admission."""
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -1,15 +1,24 @@
-"""Paged KV-cache bookkeeping: which physical blocks each request owns.
+"""Paged KV-cache bookkeeping: which physical blocks each request owns, and prefix caching.
 
 CPU-only. The runner owns the KV tensors; this module only hands out block ids. Blocks are
-reference counted so that prefix caching (issue 5) can share a full block between requests:
-a block's hash will chain over its tokens and the content hashes of images it holds, and
-`_cached_blocks` will map hash -> block. Nothing here computes hashes yet.
+reference counted so that a full block can be shared between requests. With prefix caching on,
+a block whose tokens are all computed gets a chain hash (cache/prefix_cache.py: tokens plus the
+content hashes of images it holds) and enters `_cached_blocks` (hash -> block). A freed block keeps
+its hash and goes to the end of the free list, so it can be revived by a later request with the
+same prefix until allocation reaches it at the front of the list (LRU) and reuses it.
+
+Invariants (check_invariants): a block has a hash iff the hash map points at it; ref_cnt equals
+the number of tables holding it; ref_cnt == 0 iff it is on the free list.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+
+from flashvlm.cache.prefix_cache import PrefixCacheStats, extend_block_hashes
+from flashvlm.request import Request
 
 NULL_BLOCK_ID = 0
 """Reserved: never handed out, so padded block tables and slot mappings can point at it."""
@@ -20,19 +29,20 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None
-    """Chain hash of a full block's contents, once prefix caching computes it; None = not reusable."""
+    """Chain hash of a full, computed block's contents; None = not reusable (partial, or a duplicate)."""
 
 
 class BlockManager:
     """Hands out KV blocks to requests; all-or-nothing allocation, LRU-ordered free list."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"need at least 2 KV blocks (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.blocks: list[KVBlock] = [KVBlock(i) for i in range(num_blocks)]
         # Ordered oldest-freed first. An OrderedDict rather than a deque because a prefix-cache
         # hit must pull a free-but-cached block out of the middle in O(1).
@@ -42,9 +52,16 @@ class BlockManager:
         self._req_blocks: dict[str, list[KVBlock]] = {}
         # Parallel int lists so building a step's block tables does not walk block objects.
         self._req_block_ids: dict[str, list[int]] = {}
-        # Prefix-cache index (issue 5): block_hash -> block holding that content. A block stays
-        # here while free until it is reused for other content (see _take_free_block).
+        # Prefix-cache index: block_hash -> block holding that content. A block stays here while
+        # free until it is reused for other content (see _take_free_block).
         self._cached_blocks: dict[int, KVBlock] = {}
+        # Per request: chain hashes of its full blocks (kept across preemption: tokens never
+        # change), and how many leading blocks of its current table are done hashing.
+        self._req_hashes: dict[str, list[int]] = {}
+        self._num_hashed: dict[str, int] = {}
+        self.prefix_stats = PrefixCacheStats()
+        self.num_evicted_blocks = 0
+        """Cached blocks reused for other content (LRU eviction)."""
 
     # ---- sizes -------------------------------------------------------------------------
 
@@ -58,36 +75,62 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of usable blocks owned by some request."""
+        """Fraction of usable blocks owned by some request (free cached blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the prefix-cache index, held or free."""
+        return len(self._cached_blocks)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def num_new_blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        """Blocks still to allocate so that the request holds num_tokens tokens of KV."""
+    def num_new_blocks_needed(self, request_id: str, num_tokens: int, prefix: Sequence[KVBlock] = ()) -> int:
+        """Free-list blocks the request would take to hold num_tokens tokens of KV. With `prefix` (cached
+        blocks for a request that owns none yet), free cached blocks among them count: taking them off
+        the free list uses it up just as a fresh block does."""
+        if prefix:
+            return (self.blocks_for_tokens(num_tokens) - len(prefix)) + sum(1 for b in prefix if b.ref_cnt == 0)
         owned = len(self._req_blocks.get(request_id, ()))
         return max(0, self.blocks_for_tokens(num_tokens) - owned)
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        return self.num_new_blocks_needed(request_id, num_tokens) <= self.num_free_blocks
+    def can_allocate(self, request_id: str, num_tokens: int, prefix: Sequence[KVBlock] = ()) -> bool:
+        return self.num_new_blocks_needed(request_id, num_tokens, prefix) <= self.num_free_blocks
 
-    def num_blocks_freed_by(self, request_id: str) -> int:
-        """Blocks that would return to the free list if this request were freed (unshared ones)."""
-        return sum(1 for b in self._req_blocks.get(request_id, ()) if b.ref_cnt == 1)
+    def num_blocks_freed_by(self, request_id: str, exclude: Collection[KVBlock] = ()) -> int:
+        """Blocks that would return to the free list if this request were freed (unshared ones),
+        not counting those in `exclude`."""
+        return sum(1 for b in self._req_blocks.get(request_id, ()) if b.ref_cnt == 1 and b not in exclude)
 
     # ---- allocation --------------------------------------------------------------------
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
-        """Grow the request's table to cover num_tokens tokens. False (and no change) if short."""
-        need = self.num_new_blocks_needed(request_id, num_tokens)
+    def allocate_slots(self, request_id: str, num_tokens: int, prefix: Sequence[KVBlock] = ()) -> bool:
+        """Grow the request's table to cover num_tokens tokens. False (and no change) if short.
+
+        `prefix`: cached blocks (from find_cached_prefix) to share as the table's head; only for a
+        request that owns no blocks yet, and num_tokens must reach past them (at least one token to
+        compute, in a block of its own)."""
+        if prefix:
+            assert request_id not in self._req_blocks, f"{request_id}: prefix for a request that owns blocks"
+            assert num_tokens > len(prefix) * self.block_size, "the last token must not land in a shared block"
+        need = self.num_new_blocks_needed(request_id, num_tokens, prefix)
         if need == 0:
             return True
         if need > self.num_free_blocks:
             return False
         blocks = self._req_blocks.setdefault(request_id, [])
         ids = self._req_block_ids.setdefault(request_id, [])
-        for _ in range(need):
+        # Shared blocks first, so that taking fresh ones from the free list cannot evict them.
+        for block in prefix:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+            blocks.append(block)
+            ids.append(block.block_id)
+        if prefix:
+            self._num_hashed[request_id] = len(prefix)
+        for _ in range(self.blocks_for_tokens(num_tokens) - len(blocks)):
             block = self._take_free_block()
             block.ref_cnt = 1
             blocks.append(block)
@@ -95,17 +138,26 @@ class BlockManager:
         return True
 
     def free(self, request_id: str) -> None:
-        """Drop the request's references; blocks nobody else holds go to the free list's end."""
+        """Drop the request's references; blocks nobody else holds go to the free list's end.
+
+        Blocks keep their hashes, so a later request (or this one, resumed after preemption) with the
+        same prefix can revive them until they are reused."""
         blocks = self._req_blocks.pop(request_id, None)
         self._req_block_ids.pop(request_id, None)
+        self._num_hashed.pop(request_id, None)
         if not blocks:
             return
-        # Tail blocks first: with prefix caching, a prompt's leading blocks are the likeliest to
-        # be reused, so they should be the last to be evicted (LRU takes from the front).
+        # Tail blocks first: a prompt's leading blocks are the likeliest to be reused, so they
+        # should be the last to be evicted (LRU takes from the front).
         for block in reversed(blocks):
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
+
+    def forget(self, request_id: str) -> None:
+        """The request is finished: drop its hash chain (free() keeps it for a preempted request)."""
+        self.free(request_id)
+        self._req_hashes.pop(request_id, None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table (the live list keeps growing)."""
@@ -118,10 +170,56 @@ class BlockManager:
         _, block = self._free.popitem(last=False)
         if block.block_hash is not None:
             # Reusing a cached block for new content: its old content is gone.
-            if self._cached_blocks.get(block.block_hash) is block:
-                del self._cached_blocks[block.block_hash]
+            del self._cached_blocks[block.block_hash]
             block.block_hash = None
+            self.num_evicted_blocks += 1
         return block
+
+    # ---- prefix caching ----------------------------------------------------------------
+
+    def find_cached_prefix(self, req: Request) -> list[KVBlock]:
+        """The longest chain of cached blocks matching the head of req's known tokens; takes nothing.
+
+        At most (num_tokens - 1) // block_size blocks: at least one token is left to compute (to
+        sample from), and it lands in a block of its own, never in a shared one."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hashes = extend_block_hashes(self._req_hashes.setdefault(req.request_id, []), req, self.block_size,
+                                     max_blocks)
+        hit: list[KVBlock] = []
+        for h in hashes[:max_blocks]:
+            block = self._cached_blocks.get(h)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Hash and index the request's blocks whose tokens are now all computed (call after
+        num_computed_tokens moves). A block whose content is already cached elsewhere (two requests
+        computed it at once) stays unhashed: it is freed as a plain block."""
+        if not self.enable_prefix_caching:
+            return
+        rid = req.request_id
+        full = req.num_computed_tokens // self.block_size
+        done = self._num_hashed.get(rid, 0)
+        if full <= done:
+            return
+        blocks = self._req_blocks[rid]
+        hashes = extend_block_hashes(self._req_hashes.setdefault(rid, []), req, self.block_size, full)
+        for i in range(done, full):
+            block, h = blocks[i], hashes[i]
+            if block.block_hash is None and h not in self._cached_blocks:
+                block.block_hash = h
+                self._cached_blocks[h] = block
+        self._num_hashed[rid] = full
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (benchmarks measuring a cold cache). Held blocks stay valid."""
+        for block in self._cached_blocks.values():
+            block.block_hash = None
+        self._cached_blocks.clear()
 
     # ---- checks ------------------------------------------------------------------------
 
@@ -149,4 +247,9 @@ class BlockManager:
             assert block.block_id == bid and self.blocks[bid] is block
         for h, block in self._cached_blocks.items():
             assert block.block_hash == h, f"cached block {block.block_id}: hash {block.block_hash} != {h}"
+        for block in self.blocks:
+            assert block.block_hash is None or self._cached_blocks.get(block.block_hash) is block, (
+                f"block {block.block_id} has a hash the index does not map to it")
+        for rid, n in self._num_hashed.items():
+            assert n <= len(self._req_blocks.get(rid, ())), f"{rid}: more blocks hashed than owned"
         assert len(self._free) + len(holders) == self.num_usable_blocks, "a block is lost"

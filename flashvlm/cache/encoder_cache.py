@@ -5,10 +5,13 @@ The runner stores one embedding tensor per mm_hash; this manager decides when it
 sharing an image share the entry.
 
 Lifecycle of an entry: referenced (some request still has to prefill over the image) ->
-freeable (no users, but the runner still holds it; a new user revives it for free) -> evicted
-(returned by `pop_freeable`, the scheduler tells the runner to drop it). Today every freeable
-entry is evicted at the next step; issue 5 adds a token budget so `pop_freeable` evicts only
-least-recently-used entries beyond the budget, turning freeable entries into a cache.
+freeable (no users, but the runner still holds it; a new user revives it for free: a cache hit) ->
+evicted (returned by `pop_freeable`, the scheduler tells the runner to drop it). `pop_freeable`
+evicts least-recently-released freeable entries while the held tokens exceed `cache_tokens`.
+
+Referenced entries are never evicted, even beyond the budget: a running request needs them for
+its next chunks, and an image larger than the whole budget must still run. The budget bounds
+what is kept for reuse, not what is in flight.
 """
 
 from __future__ import annotations
@@ -25,7 +28,17 @@ class EncoderCacheEntry:
 
 
 class EncoderCacheManager:
-    def __init__(self) -> None:
+    def __init__(self, cache_tokens: int = 0) -> None:
+        if cache_tokens < 0:
+            raise ValueError(f"cache_tokens must be >= 0, got {cache_tokens}")
+        self.cache_tokens = cache_tokens
+        """Budget in embedding rows (image tokens) for entries no request references; 0 = no reuse."""
+        self._num_tokens = 0
+        self.num_hits = 0
+        """A request took a reference on an embedding already held (or being encoded this step)."""
+        self.num_misses = 0
+        """A request needed an embedding that had to be encoded."""
+        self.num_evictions = 0
         self._entries: dict[str, EncoderCacheEntry] = {}
         self._by_request: dict[str, set[str]] = {}
         # Entries with no users, oldest-released first: the LRU order issue 5's eviction needs.
@@ -41,6 +54,10 @@ class EncoderCacheManager:
         """True if this request already references the embedding."""
         return mm_hash in self._by_request.get(request_id, ())
 
+    def held_hashes(self) -> set[str]:
+        """Every embedding the runner should hold after this step's frees and encodes."""
+        return set(self._entries)
+
     def hashes_of(self, request_id: str) -> list[str]:
         return list(self._by_request.get(request_id, ()))
 
@@ -51,7 +68,13 @@ class EncoderCacheManager:
 
     @property
     def num_cached_tokens(self) -> int:
-        return sum(e.num_tokens for e in self._entries.values())
+        """Embedding rows the runner holds (referenced or freeable)."""
+        return self._num_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.num_hits + self.num_misses
+        return self.num_hits / n if n else 0.0
 
     @property
     def num_referenced(self) -> int:
@@ -65,8 +88,12 @@ class EncoderCacheManager:
         entry = self._entries.get(mm_hash)
         if entry is None:
             entry = self._entries[mm_hash] = EncoderCacheEntry(mm_hash, num_tokens)
+            self._num_tokens += num_tokens
+            self.num_misses += 1
         elif entry.num_tokens != num_tokens:
             raise ValueError(f"image {mm_hash}: {num_tokens} tokens, cached entry has {entry.num_tokens}")
+        elif request_id not in entry.users:
+            self.num_hits += 1
         self._freeable.pop(mm_hash, None)
         entry.users.add(request_id)
         self._by_request.setdefault(request_id, set()).add(mm_hash)
@@ -94,11 +121,15 @@ class EncoderCacheManager:
         return unreferenced
 
     def pop_freeable(self) -> list[str]:
-        """Evict and return the embeddings the runner should drop now (all unreferenced ones, for now)."""
-        evicted = list(self._freeable)
-        self._freeable.clear()
-        for mm_hash in evicted:
-            del self._entries[mm_hash]
+        """Evict and return the embeddings the runner should drop now: least-recently-released
+        unreferenced entries, until the held tokens fit the budget (or no unreferenced entry is left:
+        referenced ones may exceed it, see the module docstring)."""
+        evicted: list[str] = []
+        while self._freeable and self._num_tokens > self.cache_tokens:
+            mm_hash, _ = self._freeable.popitem(last=False)
+            self._num_tokens -= self._entries.pop(mm_hash).num_tokens
+            evicted.append(mm_hash)
+        self.num_evictions += len(evicted)
         return evicted
 
     # ---- checks ------------------------------------------------------------------------
@@ -113,3 +144,4 @@ class EncoderCacheManager:
                 assert h in self._by_request.get(rid, ()), f"{h} -> {rid} not mirrored"
             assert (not entry.users) == (h in self._freeable), f"{h}: users/freeable disagree"
         assert all(h in self._entries for h in self._freeable)
+        assert self._num_tokens == sum(e.num_tokens for e in self._entries.values()), "token count drifted"

@@ -57,10 +57,15 @@ class Engine:
         num_blocks = self.runner.determine_num_blocks()
         config.cache.num_blocks = num_blocks
         self.runner.allocate_kv_cache(num_blocks)
-        self.scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, config.cache.block_size),
-                                   EncoderCacheManager())
+        cache = config.cache
+        self.scheduler = Scheduler(config.scheduler,
+                                   BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching),
+                                   EncoderCacheManager(cache.encoder_cache_tokens))
         text_cfg = self.checkpoint.text_config
-        self.input_processor = InputProcessor(self.checkpoint, text_cfg.vocab_size, self.model.image_token_id)
+        # "Caching off" (both caches off) also turns off the preprocessed-pixel cache: a cold baseline.
+        caching = cache.enable_prefix_caching or cache.encoder_cache_tokens > 0
+        self.input_processor = InputProcessor(self.checkpoint, text_cfg.vocab_size, self.model.image_token_id,
+                                              pixel_cache_bytes=(256 << 20) if caching else 0)
         self.tokenizer = self.checkpoint.tokenizer
         self.eos_token_ids = self.checkpoint.eos_token_ids()
         self._tracked: dict[str, _Tracked] = {}
@@ -182,6 +187,43 @@ class Engine:
                 host_s=time.perf_counter() - t0, vision_s=timings.vision_s, forward_s=timings.forward_s))
         return outputs
 
+    def stats(self) -> dict[str, Any]:
+        """Engine-wide state and cumulative cache counters (the server exports them as Prometheus metrics).
+
+        Gauges: num_running, num_waiting, token_budget, kv_cache_usage (0..1; free cached blocks count as
+        free), kv_free_blocks, kv_cached_blocks (in the prefix-cache index), encoder_cache_entries and
+        encoder_cache_tokens (embeddings held). Counters since start: num_preemptions, kv_evicted_blocks
+        (cached blocks reused for other content), prefix_cache_queries / prefix_cache_hits (tokens, once
+        per admission), encoder_cache_hits / _misses (per request and image), encoder_cache_evictions,
+        images_skipped_by_prefix_cache (no encoder run, no prefill), images_encoded (vision tower runs)."""
+        sched = self.scheduler
+        bm, enc, prefix = sched.block_manager, sched.encoder_cache, sched.block_manager.prefix_stats
+        return {
+            "num_running": sched.num_running,
+            "num_waiting": sched.num_waiting,
+            "num_preemptions": sched.num_preemptions_total,
+            "token_budget": self.config.scheduler.max_num_batched_tokens,
+            "kv_cache_usage": bm.usage,
+            "kv_num_blocks": bm.num_usable_blocks,
+            "kv_free_blocks": bm.num_free_blocks,
+            "kv_cached_blocks": bm.num_cached_blocks,
+            "kv_evicted_blocks": bm.num_evicted_blocks,
+            "prefix_caching": bm.enable_prefix_caching,
+            "prefix_cache_queries": prefix.queries,
+            "prefix_cache_hits": prefix.hits,
+            "prefix_cache_hit_rate": prefix.hit_rate,
+            "encoder_cache_hits": enc.num_hits,
+            "encoder_cache_misses": enc.num_misses,
+            "encoder_cache_hit_rate": enc.hit_rate,
+            "encoder_cache_evictions": enc.num_evictions,
+            "encoder_cache_entries": enc.num_entries,
+            "encoder_cache_tokens": enc.num_cached_tokens,
+            "encoder_cache_budget_tokens": enc.cache_tokens,
+            "images_skipped_by_prefix_cache": sched.num_images_skipped,
+            "images_encoded": self.runner.num_encoded_images,
+            "pixel_cache_hits": self.input_processor.pixel_cache.num_hits,
+        }
+
     def _make_output(self, tracked: _Tracked) -> RequestOutput:
         req = tracked.request
         finish = req.status.value if req.is_finished else None
@@ -189,7 +231,7 @@ class Engine:
                              token_ids=list(req.output_token_ids), text=tracked.detokenizer.text,
                              finish_reason=finish, arrival_time=req.arrival_time,
                              first_token_time=req.first_token_time, finish_time=req.finish_time,
-                             stop_reason=req.stop_reason)
+                             num_cached_tokens=req.num_cached_tokens, stop_reason=req.stop_reason)
 
     def _finish_output(self, tracked: _Tracked) -> RequestOutput:
         t0 = time.perf_counter()

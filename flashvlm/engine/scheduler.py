@@ -3,8 +3,10 @@
 One rule covers chunked prefill and decode: every request tracks `num_computed_tokens`, and
 each step hands out a token budget, first to running requests, then to waiting ones, each
 getting `min(tokens not yet computed, budget left)`. A chunk that reaches the end of the
-request's known tokens samples one token. Prefix-cache hits (issue 5) will fit the same rule by
-starting a request with num_computed_tokens > 0.
+request's known tokens samples one token. Prefix-cache hits fit the same rule: at admission (of a
+new request, or a preempted one resuming) the request shares the longest chain of cached KV blocks
+matching its known tokens and starts with num_computed_tokens at the hit length; cached tokens
+cost no budget. Images whose placeholders lie entirely inside the hit are never encoded.
 
 Order is (priority, arrival, admission order): lower priority value first. When KV blocks run
 out, the lowest-priority, latest-arrived running request is preempted by recompute: its blocks
@@ -18,7 +20,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from flashvlm.cache.block_manager import BlockManager
+from flashvlm.cache.block_manager import BlockManager, KVBlock
 from flashvlm.cache.encoder_cache import EncoderCacheManager
 from flashvlm.config import SchedulerConfig
 from flashvlm.engine.sched_output import ScheduledRequest, SchedulerOutput
@@ -56,6 +58,8 @@ class Scheduler:
         # Requests the scheduler itself finished (KV capacity); update() reports them.
         self._finished_unreported: list[Request] = []
         self.num_preemptions_total = 0
+        self.num_images_skipped = 0
+        """Images whose placeholders a prefix-cache hit covered entirely: no encoder run, no prefill."""
 
     # ---- queue state -------------------------------------------------------------------
 
@@ -129,7 +133,7 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self._remove(self._running if req.status is RequestStatus.RUNNING else self._waiting, req)
-        self.block_manager.free(req.request_id)
+        self.block_manager.forget(req.request_id)
         self.encoder_cache.release_all(req.request_id)
         req.status = status
         req.finish_time = time.time()
@@ -217,26 +221,42 @@ class Scheduler:
                 continue
             if req.request_id in step.preempted:
                 break  # evicted this very step; strict FCFS keeps everyone behind it waiting too
-            num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
-            target = req.num_computed_tokens + num_new
-            if not bm.allocate_slots(req.request_id, target) and not self._make_room(req, target, step):
+            # Waiting requests (new or preempted) hold no blocks and have num_computed_tokens == 0.
+            prefix = bm.find_cached_prefix(req)
+            num_hit = len(prefix) * bm.block_size
+            num_new = min(req.num_tokens - num_hit, step.budget)
+            target = num_hit + num_new
+            if (not bm.allocate_slots(req.request_id, target, prefix)
+                    and not self._make_room(req, target, prefix, step)):
                 break  # no skipping ahead: later requests have equal or lower priority
             self._waiting.pop(0)
+            self._admitted(req, num_hit)
             req.status = RequestStatus.RUNNING
             bisect.insort(self._running, req, key=self._key)
             step.num_new[req.request_id] = num_new
             step.budget -= num_new
 
-    def _make_room(self, req: Request, target: int, step: _StepState) -> bool:
+    def _admitted(self, req: Request, num_hit: int) -> None:
+        req.num_computed_tokens = num_hit
+        if self.block_manager.enable_prefix_caching:
+            self.block_manager.prefix_stats.record(req.num_tokens, num_hit)
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_hit  # a resumed request's hits on its own old blocks do not count
+        if num_hit:
+            self.num_images_skipped += sum(1 for it in req.mm_items if it.num_tokens > 0 and it.end <= num_hit)
+
+    def _make_room(self, req: Request, target: int, prefix: list[KVBlock], step: _StepState) -> bool:
         """Preempt strictly-lower-priority running requests for req's blocks, if that is enough."""
         bm = self.block_manager
         lower = [r for r in self._running if r.priority > req.priority]
-        reclaimable = sum(bm.num_blocks_freed_by(r.request_id) for r in lower)
-        if bm.num_free_blocks + reclaimable < bm.num_new_blocks_needed(req.request_id, target):
+        # A prefix block a victim frees comes back to the free list and is taken again at once: no gain.
+        keep = set(prefix)
+        reclaimable = sum(bm.num_blocks_freed_by(r.request_id, keep) for r in lower)
+        if bm.num_free_blocks + reclaimable < bm.num_new_blocks_needed(req.request_id, target, prefix):
             return False  # would preempt for nothing
-        while not bm.allocate_slots(req.request_id, target):
+        while not bm.allocate_slots(req.request_id, target, prefix):
             if not self._running or self._running[-1].priority <= req.priority:
-                return False  # estimate was off (cannot happen without shared blocks); stay safe
+                return False  # estimate was off (a block shared among victims); stay safe
             self._preempt(self._running[-1], step)
         return True
 
@@ -270,6 +290,7 @@ class Scheduler:
             req = sr.request
             samples = sr.samples  # read before num_computed_tokens moves
             req.num_computed_tokens += sr.num_new_tokens
+            self.block_manager.cache_computed_blocks(req)
             if req.mm_items:
                 self._release_passed_items(req)
             # A token for a partial prefill chunk is meaningless; it is ignored.

@@ -1,9 +1,16 @@
 """From a user prompt (text or token ids, plus images) to a `Request`: decode and preprocess images,
-hash them, tokenize, and expand each image placeholder to as many tokens as the image yields."""
+hash them, tokenize, and expand each image placeholder to as many tokens as the image yields.
+
+Preprocessed pixels are kept in a small LRU keyed by the content hash (which is computed before the
+resize, from the decoded image and the processor parameters), so a picture sent again (a follow-up
+turn, a retry) costs a decode and a hash, not another resize + normalize + patchify.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,17 +34,56 @@ class ProcessedPrompt:
     """Host time spent decoding and preprocessing images, templating and tokenizing."""
 
 
+class PixelCache:
+    """Thread-safe LRU of preprocessed images by mm_hash, bounded in bytes (prompts are processed on
+    executor threads by the async engine). Cached tensors are shared: nothing may modify them in place."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self.num_hits = 0
+        self._entries: OrderedDict[str, tuple[Any, Any, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, mm_hash: str) -> tuple[Any, Any] | None:
+        with self._lock:
+            entry = self._entries.get(mm_hash)
+            if entry is None:
+                return None
+            self._entries.move_to_end(mm_hash)
+            self.num_hits += 1
+            return entry[0], entry[1]
+
+    def put(self, mm_hash: str, pixels: Any, grid: Any) -> None:
+        size = pixels.numel() * pixels.element_size()
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if mm_hash in self._entries:
+                return
+            self._entries[mm_hash] = (pixels, grid, size)
+            self.num_bytes += size
+            while self.num_bytes > self.max_bytes:
+                _, (_, _, dropped) = self._entries.popitem(last=False)
+                self.num_bytes -= dropped
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class InputProcessor:
     """Owns the tokenizer, chat template and image processor of one model."""
 
     def __init__(self, checkpoint: Checkpoint, vocab_size: int, image_token_id: int,
-                 max_images_per_prompt: int = 16) -> None:
+                 max_images_per_prompt: int = 16, pixel_cache_bytes: int = 256 << 20) -> None:
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
         self.vocab_size = vocab_size
         self.image_token_id = image_token_id
         self.max_images_per_prompt = max_images_per_prompt
         self.image_processor = get_image_processor(checkpoint.preprocessor_config, checkpoint.model_type)
+        self.pixel_cache = PixelCache(pixel_cache_bytes)
+        """Preprocessed pixels of recent images; pixel_cache_bytes=0 turns it off."""
         self._image_token = self.tokenizer.convert_ids_to_tokens(image_token_id)
 
     # ---- prompts -------------------------------------------------------------------------------
@@ -138,18 +184,24 @@ class InputProcessor:
             if unknown:
                 raise InvalidRequestError(f"unknown mm_processor_kwargs {sorted(unknown)} (min_pixels, max_pixels)")
             lo, hi = kwargs.get("min_pixels"), kwargs.get("max_pixels")
-            pixels, grid = proc.preprocess(img, min_pixels=lo, max_pixels=hi)
-            params = proc.processor_params(lo, hi)
+            params = proc.processor_params(lo, hi)  # validates the overrides
+            mm_hash = hash_image(img, params)
+            cached = self.pixel_cache.get(mm_hash)
+            pixels, grid = cached if cached is not None else proc.preprocess(img, min_pixels=lo, max_pixels=hi)
             num_tokens = proc.num_image_tokens(grid)
         elif isinstance(proc, ClipImageProcessor):
             if kwargs:
                 raise InvalidRequestError(f"this model takes no mm_processor_kwargs, got {sorted(kwargs)}")
-            pixels, grid, params = proc.preprocess(img), None, proc.processor_params()
+            mm_hash = hash_image(img, proc.processor_params())
+            cached = self.pixel_cache.get(mm_hash)
+            pixels, grid = cached if cached is not None else (proc.preprocess(img), None)
             cfg = self.checkpoint.hf_config
             num_tokens = proc.num_image_tokens(cfg.vision_config.patch_size, cfg.vision_feature_select_strategy)
         else:  # pragma: no cover - get_image_processor only returns the two above
             raise TypeError(type(proc))
-        return MMItem(mm_hash=hash_image(img, params), pixel_values=pixels, num_tokens=num_tokens,
+        if cached is None:
+            self.pixel_cache.put(mm_hash, pixels, grid)
+        return MMItem(mm_hash=mm_hash, pixel_values=pixels, num_tokens=num_tokens,
                       grid_thw=grid, image_size=(img.width, img.height))
 
     def _expand_placeholders(self, token_ids: list[int], items: list[MMItem]) -> list[int]:

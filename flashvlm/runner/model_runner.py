@@ -79,6 +79,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.positions = PositionStore()
         self.encoder_outputs: dict[str, torch.Tensor] = {}
+        """Vision embeddings by mm_hash; the scheduler's EncoderCacheManager decides what stays."""
+        self.num_encoded_images = 0
+        """Images run through the vision tower since start (cache tests and stats)."""
         self.generators: dict[str, torch.Generator | None] = {}
         self.last_timings = StepTimings()
         self._vision_timer = _Timer(self.device)
@@ -246,6 +249,7 @@ class ModelRunner:
                 raise RuntimeError(f"vision tower gave {emb.shape[0]} embeddings for an image with "
                                    f"{item.num_tokens} placeholders")
             self.encoder_outputs[item.mm_hash] = emb
+        self.num_encoded_images += len(items)
         return len(items)
 
     def _splice_image_embeddings(self, out: SchedulerOutput, embeds: torch.Tensor) -> None:

@@ -1,16 +1,18 @@
 """Scheduler with a fake runner: no torch, no model.
 
-The fake runner keeps a paged "KV cache" of token ids. Every step it writes the scheduled
+The fake runner keeps a paged "KV cache" of token ids (image placeholders stand for their picture
+and index in it, so two images behind the same ids differ). Every step it writes the scheduled
 tokens through the block table and, before sampling, reads the whole context back through it,
-so a block shared by two live requests, a stale block after preemption or a wrong table fails
+so a write into a shared or cached block, a stale block after preemption or a wrong table fails
 the test. Sampled tokens are a function of the context read back, so the expected output of
-every request can be computed independently of scheduling.
+every request can be computed independently of scheduling (and of prefix caching).
 """
 
 from __future__ import annotations
 
 import random
 import sys
+import zlib
 from collections.abc import Callable
 
 import pytest
@@ -29,18 +31,30 @@ def next_token(context: list[int]) -> int:
     return 100 + sum((i + 1) * t for i, t in enumerate(context)) % 900
 
 
-def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
-    seq = list(prompt)
+def kv_values(tokens: list[int], mm: list[MMItem] | None = None) -> list[int]:
+    """What the fake KV cache holds per position: the token id, or for an image placeholder a value
+    naming the picture and the index in it (what its embedding would carry)."""
+    values = list(tokens)
+    for it in mm or ():
+        for k in range(it.num_tokens):
+            values[it.offset + k] = 1000 + zlib.crc32(f"{it.mm_hash}:{k}".encode()) % 100_000
+    return values
+
+
+def expected_output(prompt: list[int], max_tokens: int, mm: list[MMItem] | None = None) -> list[int]:
+    seq = kv_values(prompt, mm)
     for _ in range(max_tokens):
         seq.append(next_token(seq))
     return seq[len(prompt):]
 
 
 def make_sched(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-               budget: int = 32, max_model_len: int = 0) -> Scheduler:
+               budget: int = 32, max_model_len: int = 0, prefix_caching: bool = False,
+               encoder_cache_tokens: int = 0) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                      max_model_len=max_model_len),
-                     BlockManager(num_blocks, block_size), EncoderCacheManager())
+                     BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching),
+                     EncoderCacheManager(encoder_cache_tokens))
 
 
 def make_req(rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, arrival: float = 0.0,
@@ -90,8 +104,10 @@ class FakeRunner:
                 self.encoded.append(h)
         sampled: dict[str, int] = {}
         all_blocks: list[int] = []
+        bm = self.sched.block_manager
         for sr in out.scheduled:
-            req, tokens = sr.request, sr.request.all_token_ids
+            req = sr.request
+            tokens = kv_values(req.all_token_ids, req.mm_items)
             assert sr.num_new_tokens > 0 and sr.end <= req.num_tokens
             assert len(sr.block_ids) == -(-sr.end // self.bs) and 0 not in sr.block_ids
             all_blocks += sr.block_ids
@@ -99,6 +115,10 @@ class FakeRunner:
                 if item.offset < sr.end and item.end > sr.start:
                     assert item.mm_hash in self.embeddings, f"{item.mm_hash} missing for {req.request_id}"
             for pos in range(sr.start, sr.end):
+                block = bm.blocks[sr.block_ids[pos // self.bs]]
+                # ref_cnt 0: the request was aborted after schedule(); its output is dropped.
+                assert block.block_hash is None and block.ref_cnt <= 1, (
+                    f"{req.request_id}: writes into shared or cached block {block.block_id}")
                 self.kv[self._slot(sr.block_ids, pos)] = tokens[pos]
             if sr.samples:
                 context = [self.kv[self._slot(sr.block_ids, p)] for p in range(sr.end)]
@@ -107,7 +127,8 @@ class FakeRunner:
                     sampled[req.request_id] = self.script[req.request_id][len(req.output_token_ids)]
                 else:
                     sampled[req.request_id] = next_token(context)
-        assert len(all_blocks) == len(set(all_blocks)), "two requests share a block"
+        shared = {b for b in all_blocks if all_blocks.count(b) > 1}
+        assert all(bm.blocks[b].block_hash is not None for b in shared), "two requests share an uncached block"
         return sampled
 
     def _slot(self, block_ids: list[int], pos: int) -> int:
@@ -136,9 +157,12 @@ def drive(sched: Scheduler, runner: FakeRunner, max_steps: int = 5000,
     else:
         raise AssertionError("did not finish")
     runner.execute(sched.schedule())  # deliver the last frees
-    bm = sched.block_manager
+    bm, enc = sched.block_manager, sched.encoder_cache
     assert bm.num_free_blocks == bm.num_usable_blocks
-    assert sched.encoder_cache.num_entries == 0 and not runner.embeddings
+    assert all(b.ref_cnt == 0 for b in bm.blocks)
+    # Unreferenced embeddings may stay cached within the budget; the runner holds exactly those.
+    assert enc.num_referenced == 0 and enc.num_cached_tokens <= enc.cache_tokens
+    assert runner.embeddings == enc.held_hashes()
     return finished
 
 
@@ -222,7 +246,7 @@ def test_self_preemption_mid_image_releases_and_later_reencodes_it() -> None:
     out, _ = step(sched, runner)  # b's next chunk needs 2 blocks, 1 free: b is the tail, evicts itself
     assert ids(out) == ["a"] and b.status is S.PREEMPTED
     assert out.finished_request_ids == ["b"] and out.free_encoder_hashes == ["X"]
-    assert drive(sched, runner)["b"].output_token_ids == expected_output(b.prompt_token_ids, 2)
+    assert drive(sched, runner)["b"].output_token_ids == expected_output(b.prompt_token_ids, 2, b.mm_items)
     assert runner.encoded == ["X", "X"]  # b recomputes from 0, so X is encoded again
 
 
@@ -428,9 +452,11 @@ def test_shared_and_repeated_images_encoded_once() -> None:
     assert runner.encoded == ["X"]
 
 
-def test_randomized_workload_ends_clean() -> None:
+@pytest.mark.parametrize("caching", [False, True], ids=["no_cache", "prefix_and_encoder_cache"])
+def test_randomized_workload_ends_clean(caching: bool) -> None:
     rng = random.Random(7)
-    sched = make_sched(num_blocks=33, block_size=4, budget=24, max_num_seqs=6)
+    sched = make_sched(num_blocks=33, block_size=4, budget=24, max_num_seqs=6, prefix_caching=caching,
+                       encoder_cache_tokens=16 if caching else 0)
     pool = {f"img{i}": 3 + 2 * i for i in range(5)}
     expected: dict[str, list[int]] = {}
     aborted: set[str] = set()
@@ -448,7 +474,7 @@ def test_randomized_workload_ends_clean() -> None:
                        arrival=float(i), mm=items)
         if sched.can_ever_fit(req):
             pending.append(req)
-            expected[req.request_id] = expected_output(req.prompt_token_ids, req.sampling_params.max_tokens)
+            expected[req.request_id] = expected_output(req.prompt_token_ids, req.sampling_params.max_tokens, items)
 
     def each_step(_: int) -> None:
         for _ in range(rng.randint(0, 3)):
@@ -466,5 +492,9 @@ def test_randomized_workload_ends_clean() -> None:
         finished.update(drive(sched, runner, each_step=each_step))
     done = set(finished) - aborted
     assert len(done) > 300 and sched.num_preemptions_total > 0 and len(runner.encoded) > 10
+    if caching:
+        stats = sched.block_manager.prefix_stats
+        assert stats.hits > 1000 and sched.block_manager.num_evicted_blocks > 0
+        assert sched.encoder_cache.num_hits > 0 and sched.num_images_skipped > 0
     for rid in done:
         assert finished[rid].output_token_ids == expected[rid], rid
