@@ -26,8 +26,8 @@ from typing import Any, TypeVar
 
 from flashvlm.engine.async_stream import (
     ACCEPTED,
+    Admission,
     AdmissionSlot,
-    Counters,
     EngineDeadError,
     EngineStepError,
     OutputSlot,
@@ -69,6 +69,9 @@ class _EngineSide:
     live: dict[str, OutputSlot] = field(default_factory=dict)
     consecutive_failures: int = 0
     e2e_ema_s: float = 0.0
+    num_steps: int = 0
+    num_step_failures: int = 0
+    num_aborted: int = 0
 
 
 class AsyncEngine:
@@ -76,8 +79,8 @@ class AsyncEngine:
 
     `max_waiting_requests` bounds requests admitted but not yet running (preprocessing, queued
     for the engine thread, or in the scheduler's waiting queue); beyond it `add_request` /
-    `generate` raise `QueueFullError`. `admission` (an object with `check(num_waiting) ->
-    retry_after_s | None`) replaces the built-in policy; `budget_controller` (with
+    `generate` raise `QueueFullError`. `admission` (an object with `check(num_waiting, num_ahead)
+    -> retry_after_s | None`, see async_stream.Admission) replaces the built-in policy; `budget_controller` (with
     `update(step_latency_s, num_decode_seqs, active_tiers) -> token budget`) adapts the step's
     token budget after every step, never above the configured `max_num_batched_tokens`.
     """
@@ -86,24 +89,17 @@ class AsyncEngine:
                  budget_controller: Any = None, num_processing_threads: int = 2) -> None:
         if not isinstance(engine, Engine):  # an LLM: take its engine
             engine = engine.engine
-        if max_waiting_requests < 1:
-            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
-        self.admission = admission
         self.budget_controller = budget_controller
         self._max_budget = engine.config.scheduler.max_num_batched_tokens
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self._wake = threading.Condition()
         self._commands: list[_Add | _Abort] = []
-        self._counters = Counters()
+        self._admission = Admission(max_waiting_requests, admission, self._retry_after)
         self._stopping = False
         self._dead: BaseException | None = None
         self._side = _EngineSide()
         self._stats: dict[str, Any] = {}
-        self._num_steps = 0
-        self._num_step_failures = 0
-        self._num_aborted = 0
         if budget_controller is not None:
             # The controller needs each step's decode count; a one-slot log keeps that at no memory cost.
             engine.step_log = collections.deque(maxlen=1)  # type: ignore[assignment]
@@ -129,18 +125,14 @@ class AsyncEngine:
     @property
     def peak_num_waiting(self) -> int:
         """Most requests ever counted against `max_waiting_requests` at once."""
-        return self._counters.peak_queued
+        return self._admission.peak_queued
 
     def default_sampling_params(self) -> SamplingParams:
         return self.engine.default_sampling_params()
 
     def stats(self) -> dict[str, Any]:
         """The engine's latest numbers (as of the last step) plus the admission counters."""
-        with self._lock:
-            c = self._counters
-            extra = {"num_queued": c.queued, "peak_num_queued": c.peak_queued, "num_rejected": c.rejected,
-                     "max_waiting_requests": self.max_waiting_requests}
-        return {**self._stats, **extra}
+        return {**self._stats, **self._admission.stats()}
 
     # ---- preprocessing (thread pool) ----------------------------------------------------------
     async def run_in_executor(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -157,19 +149,7 @@ class AsyncEngine:
     # ---- admission ----------------------------------------------------------------------------
     def check_admission(self, priority: int = 0) -> None:
         """Raise QueueFullError if a request of this priority arriving now would be refused (reserves nothing)."""
-        with self._lock:
-            self._refuse_if_full(priority)
-
-    def _refuse_if_full(self, priority: int) -> None:
-        c = self._counters
-        queued, ahead = c.queued, c.ahead_of(priority)
-        if self.admission is not None:
-            retry = self.admission.check(queued, ahead)
-        else:
-            retry = self._retry_after(queued) if queued >= self.max_waiting_requests else None
-        if retry is not None:
-            c.rejected += 1
-            raise QueueFullError(float(retry), queued, self.max_waiting_requests)
+        self._admission.check(priority)
 
     def _retry_after(self, queued: int) -> float:
         # Time for the queue ahead to drain: each batch slot finishes a request every ~E2E seconds.
@@ -177,30 +157,14 @@ class AsyncEngine:
         e2e = self._side.e2e_ema_s or 1.0
         return float(min(60, max(1, round(queued * e2e / slots))))
 
-    def _reserve(self, priority: int) -> None:
-        with self._lock:
-            self._refuse_if_full(priority)
-            c = self._counters
-            c.preparing[priority] += 1
-            c.peak_queued = max(c.peak_queued, c.queued)
-
-    def _unreserve(self, priority: int) -> None:
-        with self._lock:
-            self._counters.preparing[priority] -= 1
-
     def _count_engine_waiting(self, applied: list[int] | None = None) -> None:
-        """Engine thread: refresh the scheduler's waiting counts by priority. `applied`: priorities of the adds just
-        handed to the engine; they leave `pending` in the same locked update that counts them in the scheduler,
-        so no reservation in between sees them missing from both."""
+        """Engine thread: hand the scheduler's waiting counts by priority to the admission bound."""
         counts: dict[int, int] = {}
         if self.engine.scheduler.num_waiting:
             for req in self.engine.scheduler.requests.values():
                 if req.status is RequestStatus.WAITING or req.status is RequestStatus.PREEMPTED:
                     counts[req.priority] = counts.get(req.priority, 0) + 1
-        with self._lock:
-            self._counters.engine_waiting = counts
-            for priority in applied or ():
-                self._counters.pending[priority] -= 1
+        self._admission.update_engine(counts, applied or [])
 
     # ---- requests -----------------------------------------------------------------------------
     def reserve(self, priority: int = 0) -> AdmissionSlot:
@@ -209,8 +173,7 @@ class AsyncEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         self._check_alive()
-        self._reserve(priority)
-        return AdmissionSlot(priority, self._unreserve)
+        return self._admission.reserve(priority)
 
     async def add_request(self, prompt: ProcessedPrompt | str | dict[str, Any],
                           sampling_params: SamplingParams | None = None, request_id: str | None = None,
@@ -229,13 +192,9 @@ class AsyncEngine:
             params.validate()
             stream = OutputSlot(str(request_id) if request_id is not None else uuid.uuid4().hex,
                              asyncio.get_running_loop(), tier)
+            self._check_alive()
+            self._admission.submit(slot)
             with self._wake:
-                self._check_alive()
-                if not slot.active:
-                    raise RuntimeError("this admission slot was already used or released")
-                slot.active = False
-                self._counters.preparing[priority] -= 1
-                self._counters.pending[priority] += 1
                 self._commands.append(_Add(stream, prompt, params, priority, arrival_time))
                 self._wake.notify()
         finally:
@@ -308,7 +267,7 @@ class AsyncEngine:
             self._fail_all(EngineDeadError("the engine was shut down"))
         except BaseException as e:  # a bug outside a step: say so loudly, then refuse further work
             logger.exception("engine thread died")
-            self._fail_all(EngineDeadError(f"the engine thread died: {e!r}"), cause=e)
+            self._fail_all(EngineDeadError(f"the engine thread died: {e!r}"))
 
     def _apply(self, commands: list[_Add | _Abort]) -> None:
         deliveries: list[tuple[OutputSlot, Any]] = []
@@ -342,7 +301,7 @@ class AsyncEngine:
     def _abort_in_engine(self, request_id: str) -> RequestOutput | None:
         out = self.engine.abort_request(request_id)
         if out is not None:
-            self._num_aborted += 1
+            self._side.num_aborted += 1
         return out
 
     def _step(self) -> None:
@@ -350,13 +309,13 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception as e:
-            self._num_step_failures += 1
+            self._side.num_step_failures += 1
             self._side.consecutive_failures += 1
             logger.exception("engine step failed; failing the requests in the batch")
             self._fail_batch(e)
             return
         latency = time.perf_counter() - t0
-        self._num_steps += 1
+        self._side.num_steps += 1
         self._side.consecutive_failures = 0
         live = self._side.live
         deliveries = []
@@ -374,8 +333,7 @@ class AsyncEngine:
                     ema = self._side.e2e_ema_s
                     self._side.e2e_ema_s = e2e if ema == 0.0 else 0.9 * ema + 0.1 * e2e
         self._count_engine_waiting()
-        if finished and self.admission is not None and hasattr(self.admission, "record_finished"):
-            self.admission.record_finished(finished)
+        self._admission.record_finished(finished)
         self._deliver(deliveries)
         if self.budget_controller is not None:
             try:
@@ -417,7 +375,7 @@ class AsyncEngine:
         self._count_engine_waiting()
         self._deliver(deliveries)
 
-    def _fail_all(self, error: BaseException, cause: BaseException | None = None) -> None:
+    def _fail_all(self, error: BaseException) -> None:
         with self._wake:
             self._dead = error
             commands, self._commands = self._commands, []
@@ -450,8 +408,8 @@ class AsyncEngine:
         engine_stats = getattr(engine, "stats", None)
         if callable(engine_stats):
             stats.update(engine_stats())
-        stats.update(num_preemptions=sched.num_preemptions_total, num_steps=self._num_steps,
-                     num_step_failures=self._num_step_failures, num_aborted=self._num_aborted,
+        stats.update(num_preemptions=sched.num_preemptions_total, num_steps=self._side.num_steps,
+                     num_step_failures=self._side.num_step_failures, num_aborted=self._side.num_aborted,
                      max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens,
                      num_free_blocks=sched.block_manager.num_free_blocks,
                      num_usable_blocks=sched.block_manager.num_usable_blocks)

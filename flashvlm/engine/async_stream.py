@@ -1,12 +1,12 @@
-"""The pieces of `AsyncEngine` that live on the event loop side: a request's output slot and the async iterator
-over it, admission slots and counters, and the errors the async engine raises."""
+"""The parts of `AsyncEngine` beside the stepping thread: a request's output slot and the async iterator over it,
+the admission bound, and the errors the async engine raises."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from flashvlm.request import RequestOutput
@@ -133,25 +133,85 @@ class AdmissionSlot:
             self._release(self.priority)
 
 
-@dataclass
-class Counters:
-    """Admission bookkeeping by priority, guarded by AsyncEngine._lock. A request counts from admission until
-    the scheduler first runs it (and again while preempted), wherever it is meanwhile."""
+class Admission:
+    """The waiting bound. A request counts from `reserve` (before preprocessing) until the scheduler first runs
+    it (and again while preempted), wherever it is meanwhile: being preprocessed (`preparing`), queued for the
+    engine thread (`pending`), or in the scheduler's waiting queue (`engine_waiting`). Counts are by priority,
+    so a policy can bound the requests ahead of a new one rather than the total. Thread-safe.
 
-    preparing: collections.Counter = field(default_factory=collections.Counter)
-    """Admitted requests still being preprocessed on the loop side."""
-    pending: collections.Counter = field(default_factory=collections.Counter)
-    """Adds queued for the engine thread, not yet applied."""
-    engine_waiting: dict[int, int] = field(default_factory=dict)
-    """The scheduler's waiting queue by priority, as of the engine thread's last look."""
-    peak_queued: int = 0
-    rejected: int = 0
+    `policy`: an object with `check(num_waiting, num_ahead) -> retry_after_s | None` (and optionally
+    `record_finished(n)`), e.g. flashvlm.engine.sla.AdmissionController; without one, at most `max_waiting`
+    requests wait in total and Retry-After comes from `estimate_retry(num_waiting)`.
+    """
 
-    @property
-    def queued(self) -> int:
-        return sum(self.preparing.values()) + sum(self.pending.values()) + sum(self.engine_waiting.values())
+    def __init__(self, max_waiting: int, policy: Any, estimate_retry: Callable[[int], float]) -> None:
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting}")
+        self.max_waiting = max_waiting
+        self.policy = policy
+        self._estimate_retry = estimate_retry
+        self._lock = threading.Lock()
+        self._preparing: collections.Counter[int] = collections.Counter()
+        self._pending: collections.Counter[int] = collections.Counter()
+        self._engine_waiting: dict[int, int] = {}
+        self.peak_queued = 0
+        self.rejected = 0
 
-    def ahead_of(self, priority: int) -> int:
-        """Queued requests served no later than a new one of this priority (lower value = served first)."""
-        return sum(n for counts in (self.preparing, self.pending, self.engine_waiting)
+    def _queued(self) -> int:
+        return sum(self._preparing.values()) + sum(self._pending.values()) + sum(self._engine_waiting.values())
+
+    def _ahead_of(self, priority: int) -> int:
+        # Lower value = served first, so everything of this priority or lower is ahead of a newcomer.
+        return sum(n for counts in (self._preparing, self._pending, self._engine_waiting)
                    for p, n in counts.items() if p <= priority)
+
+    def _refuse_if_full(self, priority: int) -> None:
+        queued = self._queued()
+        if self.policy is not None:
+            retry = self.policy.check(queued, self._ahead_of(priority))
+        else:
+            retry = self._estimate_retry(queued) if queued >= self.max_waiting else None
+        if retry is not None:
+            self.rejected += 1
+            raise QueueFullError(float(retry), queued, self.max_waiting)
+
+    def check(self, priority: int) -> None:
+        with self._lock:
+            self._refuse_if_full(priority)
+
+    def reserve(self, priority: int) -> AdmissionSlot:
+        with self._lock:
+            self._refuse_if_full(priority)
+            self._preparing[priority] += 1
+            self.peak_queued = max(self.peak_queued, self._queued())
+        return AdmissionSlot(priority, self._release)
+
+    def _release(self, priority: int) -> None:
+        with self._lock:
+            self._preparing[priority] -= 1
+
+    def submit(self, slot: AdmissionSlot) -> None:
+        """The request behind `slot` is handed to the engine thread: preparing -> pending."""
+        with self._lock:
+            if not slot.active:
+                raise RuntimeError("this admission slot was already used or released")
+            slot.active = False
+            self._preparing[slot.priority] -= 1
+            self._pending[slot.priority] += 1
+
+    def update_engine(self, waiting_by_priority: dict[int, int], applied: list[int]) -> None:
+        """Engine thread: the scheduler's waiting counts now, and the priorities of the adds just applied. Both
+        change in one locked update, so no reservation in between sees those requests missing from both."""
+        with self._lock:
+            self._engine_waiting = waiting_by_priority
+            for priority in applied:
+                self._pending[priority] -= 1
+
+    def record_finished(self, n: int) -> None:
+        if n and self.policy is not None and hasattr(self.policy, "record_finished"):
+            self.policy.record_finished(n)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"num_queued": self._queued(), "peak_num_queued": self.peak_queued, "num_rejected": self.rejected,
+                    "max_waiting_requests": self.max_waiting}

@@ -121,7 +121,8 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=_INT64_MIN, le=_INT64_MAX,
                           description="lower is served first; ignored when an SLA tier applies")
-    request_id: str | None = Field(None, max_length=256)
+    # Echoed in the x-request-id header, so only visible ASCII (a newline would break the response head).
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
     sla_tier: str | None = Field(None, description="SLA tier name (or the x-sla-tier header)")
 
     def common_checks(self) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -183,7 +184,10 @@ class OpenAIServing:
                     media.set_image_bytes(part, fetched[i])
                 else:
                     media.set_image_bytes(part, media.load_image_bytes(url, policy, i))
-            return self.engine.engine.process_chat(messages, mm_processor_kwargs=req.mm_processor_kwargs)
+            try:
+                return self.engine.engine.process_chat(messages, mm_processor_kwargs=req.mm_processor_kwargs)
+            except jinja2.TemplateError as e:  # templates may refuse a conversation (raise_exception)
+                raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
 
         return await self.engine.run_in_executor(work)
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
+import subprocess
+import sys
+import time
 from typing import Any
 
 import httpx
@@ -10,6 +15,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from flashvlm.server.app import build_app
+from flashvlm.server.serving import ServerSettings
 from tests.server.conftest import MODEL, LiveServer, data_uri, image_message, png_bytes
 
 GREEDY = {"temperature": 0.0}
@@ -202,3 +209,60 @@ def test_engine_fault_fails_only_its_request(live: LiveServer, monkeypatch: pyte
     stats = live.wait_idle()
     assert stats["num_step_failures"] >= 2 and stats["num_free_blocks"] == stats["num_usable_blocks"]
     assert httpx.get(live.base_url + "/health").status_code == 200
+
+
+def test_api_key_and_no_tiers(live: LiveServer) -> None:
+    """A second app over the same engine (in-process ASGI): --api-key enforced; --sla-config none uses `priority`."""
+    app = build_app(live.engine, ServerSettings(served_model_names=[MODEL], api_key="sesame", tiers=None,
+                                                disable_log_requests=True))
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+            return [await client.post("/v1/chat/completions", json=body),
+                    await client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer nope"}),
+                    await client.post("/v1/chat/completions", json={**body, "priority": -3},
+                                      headers={"Authorization": "Bearer sesame"}),
+                    await client.post("/v1/chat/completions", json={**body, "sla_tier": "gold"},
+                                      headers={"Authorization": "Bearer sesame"}),
+                    await client.get("/health")]
+
+    no_key, wrong_key, ok, tier, health = asyncio.run(run())
+    assert no_key.status_code == wrong_key.status_code == 401
+    assert no_key.json()["error"]["type"] == "authentication_error"
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    assert tier.status_code == 400 and "not configured" in tier.json()["error"]["message"]
+    assert health.status_code == 200  # only /v1/* needs the key
+
+
+def test_serve_cli_end_to_end(tiny_ckpt: Any, tmp_path: Any) -> None:
+    """`flashvlm serve` as a user runs it: a subprocess on a free port, one chat, then SIGTERM."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "flashvlm.cli", "serve", "--model", str(tiny_ckpt), "--port", str(port),
+           "--device", "cpu", "--max-model-len", "256", "--kv-cache-tokens", "2048", "--served-model-name", "cli-model",
+           "--limit-mm-per-prompt", '{"image": 1}', "--disable-log-requests"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "flashvlm serve did not come up"
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        out = client.chat.completions.create(model="cli-model", messages=image_message("Hi", data_uri(png_bytes())),
+                                             max_tokens=3, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 3
+        two = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={
+            "model": "cli-model", "max_tokens": 2,
+            "messages": image_message("Hi", data_uri(png_bytes()), data_uri(png_bytes(seed=9)))})
+        assert two.status_code == 400 and two.json()["error"]["code"] == "too_many_images"
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) is not None

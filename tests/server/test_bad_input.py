@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import io
 import os
 import socket
@@ -86,6 +85,7 @@ CASES: list[tuple[str, str, Any, int, str]] = [
     ("presence-penalty", CHAT, _chat(presence_penalty=0.5), 400, "presence_penalty"),
     ("tools", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("json-response-format", CHAT, _chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("request-id-with-newline", CHAT, _chat(request_id="a\r\nx-evil: 1"), 400, "request_id"),
     ("unknown-model", CHAT, _chat(model="gpt-5"), 404, "does not exist"),
     ("unknown-sla-tier", CHAT, _chat(sla_tier="platinum"), 400, "platinum"),
     ("file-outside-allowed-dir", CHAT, _img_chat("/etc/hostname"), 403, "outside"),
@@ -210,11 +210,24 @@ _bodies = st.one_of(
 @given(body=_bodies)
 def test_fuzz_never_5xx(live: LiveServer, body: tuple[str, Any]) -> None:
     path, payload = body
-    if isinstance(payload, dict) and isinstance(payload.get("request_id"), str):
-        payload["request_id"] = base64.b16encode(os.urandom(6)).decode()  # fixed ids would collide across examples
     r = _post(live, path, payload)
     assert r.status_code < 500, (payload, r.status_code, r.text[:300])
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     elif isinstance(payload, dict) and payload.get("stream") is True:
         assert r.text.rstrip().endswith("data: [DONE]")
+
+
+@pytest.mark.parametrize("spec,limit", [("image=4", 4), ('{"image": 2}', 2), ("7", 7), ("image=0", 0)])
+def test_limit_mm_per_prompt_spellings(spec: str, limit: int) -> None:
+    from flashvlm.server.media import parse_limit_mm_per_prompt
+
+    assert parse_limit_mm_per_prompt(spec) == limit
+
+
+@pytest.mark.parametrize("spec", ["video=2", "image=many", "{not json", "image=-1"])
+def test_limit_mm_per_prompt_refuses_nonsense(spec: str) -> None:
+    from flashvlm.server.media import parse_limit_mm_per_prompt
+
+    with pytest.raises(ValueError, match="limit-mm-per-prompt"):
+        parse_limit_mm_per_prompt(spec)
