@@ -83,6 +83,7 @@ class AsyncEngine:
     -> retry_after_s | None`, see async_stream.Admission) replaces the built-in policy; `budget_controller` (with
     `update(step_latency_s, num_decode_seqs, active_tiers) -> token budget`) adapts the step's
     token budget after every step, never above the configured `max_num_batched_tokens`.
+    Given an `LLM`, it takes over the LLM's engine: do not call the LLM directly while this runs.
     """
 
     def __init__(self, engine: Engine | Any, *, max_waiting_requests: int = 256, admission: Any = None,
