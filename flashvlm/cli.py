@@ -73,7 +73,33 @@ def _build_parser() -> argparse.ArgumentParser:
     from flashvlm.server.cli import build_parser as build_serve_parser
 
     build_serve_parser(sub)
+    ev = sub.add_parser("eval", help="exact-match accuracy on the synthetic scenes test split, per question type",
+                        description="Answers a seeded split of generated scenes (colour, count, position, printed "
+                                    "text) greedily and reports exact-match accuracy per question type, for any "
+                                    "model and engine configuration.",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ev.add_argument("--split", default="test", choices=["train", "validation", "test"])
+    ev.add_argument("--num-examples", type=int, default=200, help="examples (question types cycle evenly)")
+    ev.add_argument("--batch-size", type=int, default=64, help="questions submitted together")
+    ev.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON")
+    _add_engine_args(ev)
     return parser
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import json
+
+    from flashvlm.demo.evaluate import evaluate, format_report
+    from flashvlm.llm import LLM
+
+    if args.num_examples < 1:
+        raise ValueError("--num-examples must be >= 1")
+    result = evaluate(LLM(args.model, **_engine_kwargs(args)), args.split, args.num_examples, args.batch_size)
+    print(format_report(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -133,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             from flashvlm.server.cli import run as run_serve
 
             return run_serve(args)
+        if args.command == "eval":
+            return _eval(args)
         return _generate(args)
     except (InvalidRequestError, ConfigError, MissingWeightError, UnsupportedModelError, FileNotFoundError,
             ValueError) as e:

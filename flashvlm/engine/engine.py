@@ -82,7 +82,7 @@ class Engine:
         gen = self.checkpoint.generation_defaults
         kwargs: dict[str, Any] = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p",
                                                      "repetition_penalty") if gen.get(k) is not None}
-        if gen.get("do_sample") is False:
+        if not gen.get("do_sample", False):  # transformers decodes greedily unless do_sample is set
             kwargs["temperature"] = 0.0
         if kwargs.get("top_k") == 0:
             kwargs["top_k"] = -1
@@ -171,9 +171,13 @@ class Engine:
                 t_detok = time.perf_counter()
                 tracked.detokenizer.append(req.output_token_ids[-new_tokens:])
                 req.detokenize_s += time.perf_counter() - t_detok
-                if tracked.detokenizer.stopped_by is not None and not req.is_finished:
-                    req.stop_reason = tracked.detokenizer.stopped_by
-                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                stop = tracked.detokenizer.stopped_by
+                if stop is not None and not req.is_finished:
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+                elif stop is not None and req.status is not RequestStatus.FINISHED_ABORTED:
+                    # The same token also hit max_tokens (or eos): the stop string wins, as in vLLM. The
+                    # scheduler has already let go of the request, so only its reported outcome changes.
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
             if req.is_finished:
                 outputs.append(self._finish_output(tracked))
             else:

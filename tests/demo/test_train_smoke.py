@@ -34,3 +34,17 @@ def test_train_two_steps_then_load_and_eval(tmp_path) -> None:
                           image_grid_thw=torch.tensor([item.grid_thw]), mm_token_type_ids=(t == batcher.image_token_id)
                           .long(), max_new_tokens=6, min_new_tokens=6, do_sample=False, eos_token_id=None)
     assert ours == ref[0, len(ids):].tolist()
+
+
+def test_eval_cli(tmp_path, monkeypatch, capsys) -> None:
+    import json
+
+    from flashvlm.cli import main
+
+    monkeypatch.setenv("FLASHVLM_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--num-examples", "4", "--device", "cpu", "--json", str(out)]) == 0
+    assert "overall" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["num_examples"] == 4 and len(result["per_type"]) == 4
+    assert main(["eval", "--num-examples", "0", "--device", "cpu"]) == 1

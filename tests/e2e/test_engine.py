@@ -98,20 +98,34 @@ def test_stop_conditions(llm: LLM) -> None:
     # stop string: a piece of the base text; the output text ends right before it
     tok = llm.get_tokenizer()
     text = tok.decode(base.token_ids, skip_special_tokens=True)
-    needle = text[len(text) // 2: len(text) // 2 + 2]
-    if needle.strip():
-        out = llm.generate("Count with me:", _greedy(12, ignore_eos=True, stop=[needle]))[0]
-        assert out.finish_reason == "stop" and needle not in out.text
-        assert text.startswith(out.text)
+    needle = next(text[i:i + 2] for i in range(len(text) // 2, len(text) - 1) if text[i:i + 2].strip())
+    out = llm.generate("Count with me:", _greedy(12, ignore_eos=True, stop=[needle]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == needle and needle not in out.text
+    assert text.startswith(out.text)
+    # A stop string completed by the last allowed token still reports "stop".
+    first = tok.decode(base.token_ids[:1], skip_special_tokens=True)
+    assert first.strip()
+    out = llm.generate("Count with me:", _greedy(1, ignore_eos=True, stop=[first]))[0]
+    assert (out.finish_reason, out.stop_reason, out.text) == ("stop", first, "")
 
 
-def test_min_tokens_blocks_eos(llm: LLM) -> None:
-    eos = llm.engine.eos_token_ids
-    outs = llm.generate(["Hi"] * 3, SamplingParams(temperature=1.0, seed=5, min_tokens=6, max_tokens=8,
-                                                   stop_token_ids=list(eos)))
-    for o in outs:
-        assert not set(o.token_ids[:6]) & set(eos)
-        assert len(o.token_ids) >= 6
+def test_min_tokens_blocks_eos(llm: LLM, monkeypatch) -> None:
+    """With eos made the argmax at every step, greedy decoding emits exactly min_tokens other tokens, then eos."""
+    model = llm.engine.model
+    eos = llm.engine.eos_token_ids[0]
+    original = model.compute_logits
+
+    def eos_first(hidden):
+        logits = original(hidden)
+        logits[:, eos] = logits.max(dim=-1).values + 10.0
+        return logits
+
+    monkeypatch.setattr(model, "compute_logits", eos_first)
+    outs = llm.generate(["Hi", "Hello"], [SamplingParams(temperature=0.0, min_tokens=4, max_tokens=8),
+                                          SamplingParams(temperature=0.0, max_tokens=8)])
+    assert eos not in outs[0].token_ids[:4] and outs[0].token_ids[4] == eos and len(outs[0].token_ids) == 5
+    assert outs[0].finish_reason == "stop"
+    assert outs[1].token_ids == [eos] and outs[1].finish_reason == "stop"
 
 
 def test_abort_frees_blocks(llm: LLM) -> None:
