@@ -16,6 +16,7 @@ from flashvlm.config import EngineConfig
 from flashvlm.engine.detokenizer import IncrementalDetokenizer
 from flashvlm.engine.scheduler import Scheduler
 from flashvlm.engine.stats import StepRecord
+from flashvlm.kernels.dispatch import set_kernel_backend
 from flashvlm.models.loader import load_model, read_checkpoint, resolve_dtype
 from flashvlm.processing.input_processor import InputProcessor, ProcessedPrompt
 from flashvlm.request import InvalidRequestError, Request, RequestOutput, RequestStatus, SamplingParams
@@ -37,10 +38,6 @@ class Engine:
         self.config = config.validate()
         mc = config.model
         torch.manual_seed(mc.seed)
-        from flashvlm.kernels.dispatch import set_triton_enabled
-
-        # Layers pick their kernels per call; the engine sets the policy once for the process.
-        set_triton_enabled(config.kernel_backend == "triton")
         t0 = time.perf_counter()
         self.checkpoint = read_checkpoint(mc)
         max_len = self.checkpoint.max_position_embeddings
@@ -52,6 +49,7 @@ class Engine:
         config.scheduler.max_model_len = max_len
         self.dtype = resolve_dtype(mc, self.checkpoint.hf_config, config.device)
         self.model = load_model(mc, self.checkpoint, config.device, self.dtype)
+        set_kernel_backend(self.model, config.kernel_backend)
         self.load_time = time.perf_counter() - t0
         self.runner = ModelRunner(config, self.model, self.dtype)
         num_blocks = self.runner.determine_num_blocks()

@@ -1,9 +1,11 @@
 """When a layer runs a Triton kernel instead of its torch reference.
 
-Policy: Triton kernels run on CUDA tensors when Triton imports, unless the engine switched them off through
-`set_triton_enabled` (from its config) or a caller passes `enabled=False`. CPU tensors always take the torch
-path, so CPU parity tests never depend on Triton. Tests reach the kernels on CPU tensors with `force=True`,
-which needs Triton's interpreter (`TRITON_INTERPRET=1`, set before the kernel modules are imported).
+Policy: Triton kernels run on CUDA tensors when Triton imports, unless the layer was built with its kernels off
+(`set_kernel_backend(model, "torch")`, applied once by the engine from its config) or a caller passes
+`enabled=False`. The setting lives on each layer, so two engines in one process never affect each other.
+CPU tensors always take the torch path, so CPU parity tests never depend on Triton. Tests reach the kernels
+on CPU tensors with `force=True`, which needs Triton's interpreter (`TRITON_INTERPRET=1`, set before the
+kernel modules are imported).
 
 Nothing here imports Triton at module load: CPU-only processes never pay for it, and a test can still set
 `TRITON_INTERPRET` after `flashvlm.layers` was imported (the `@triton.jit` decorator reads it when the kernel
@@ -16,8 +18,6 @@ import functools
 import os
 
 import torch
-
-_enabled = True
 
 
 @functools.cache
@@ -34,21 +34,11 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-def set_triton_enabled(enabled: bool) -> None:
-    """Process-wide switch, set once by the engine from its config (e.g. to bisect a numerical issue)."""
-    global _enabled
-    _enabled = bool(enabled)
-
-
-def triton_enabled() -> bool:
-    return _enabled
-
-
 def use_triton(x: torch.Tensor, enabled: bool | None = None, force: bool = False) -> bool:
     """Whether to run the Triton kernel for an op whose main input is `x`.
 
-    `enabled` overrides the process-wide switch for one call. `force` demands the kernel (tests) and raises
-    rather than silently comparing the torch path against itself.
+    `enabled` is the calling layer's own setting (engines set it per model, see `set_kernel_backend`). `force`
+    demands the kernel (tests) and raises rather than silently comparing the torch path against itself.
     """
     if force:
         if not triton_available():
@@ -58,10 +48,17 @@ def use_triton(x: torch.Tensor, enabled: bool | None = None, force: bool = False
         return True
     if not x.is_cuda:
         return False
-    if not (_enabled if enabled is None else enabled):
+    if enabled is False:
         return False
     return triton_available()
 
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def set_kernel_backend(model: torch.nn.Module, backend: str) -> None:
+    """Set every fused-kernel layer of `model` to Triton ("triton", CUDA tensors only) or torch ("torch")."""
+    for module in model.modules():
+        if hasattr(module, "use_triton_kernels"):
+            module.use_triton_kernels = backend == "triton"

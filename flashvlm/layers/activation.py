@@ -58,5 +58,10 @@ def silu_and_mul(x: torch.Tensor, *, enabled: bool | None = None, force: bool = 
 class SiluAndMul(nn.Module):
     """silu(x[..., :d]) * x[..., d:] for a packed gate/up projection."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.use_triton_kernels = True
+        """Fused Triton kernel on CUDA tensors; the engine sets it from EngineConfig.kernel_backend."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
+        return silu_and_mul(x, enabled=self.use_triton_kernels)

@@ -36,7 +36,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.use_triton_kernels = True
+        """Fused Triton kernel on CUDA tensors; the engine sets it from EngineConfig.kernel_backend."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`, adds it first and returns (normed, new_residual): the fused-kernel contract."""
-        return fused_add_rmsnorm(x, residual, self.weight, self.eps)
+        return fused_add_rmsnorm(x, residual, self.weight, self.eps, enabled=self.use_triton_kernels)

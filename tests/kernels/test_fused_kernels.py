@@ -153,13 +153,14 @@ def test_force_needs_the_interpreter_for_cpu_tensors(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_cuda_policy_switches():
+def test_cuda_policy_is_per_layer():
     x = torch.randn(2, 8, device="cuda")
     assert dispatch.use_triton(x)
     assert not dispatch.use_triton(x, enabled=False)
-    dispatch.set_triton_enabled(False)
-    try:
-        assert not dispatch.use_triton(x)
-        assert dispatch.use_triton(x, enabled=True)
-    finally:
-        dispatch.set_triton_enabled(True)
+
+
+def test_kernel_backend_is_set_per_model() -> None:
+    a, b = torch.nn.Sequential(RMSNorm(8), SiluAndMul()), torch.nn.Sequential(RMSNorm(8), SiluAndMul())
+    dispatch.set_kernel_backend(a, "torch")
+    assert [m.use_triton_kernels for m in a] == [False, False]
+    assert [m.use_triton_kernels for m in b] == [True, True]  # another model is untouched
