@@ -7,7 +7,7 @@ import logging
 import sys
 
 from flashvlm.cli import _add_engine_args, _engine_kwargs
-from flashvlm.server import media
+from flashvlm.server import limits
 
 _DESCRIPTION = """Serve a vision-language model over an OpenAI-compatible HTTP API:
 POST /v1/chat/completions (text and image_url parts), POST /v1/completions, GET /v1/models, /health, /metrics.
@@ -39,15 +39,15 @@ def build_parser(sub: argparse._SubParsersAction) -> None:
                    help="threads for image decoding, preprocessing and tokenization, off the event loop "
                         "(default: %(default)s)")
     m = p.add_argument_group("images")
-    m.add_argument("--limit-mm-per-prompt", default=f"image={media.DEFAULT_LIMIT_IMAGES}", metavar="SPEC",
+    m.add_argument("--limit-mm-per-prompt", default=f"image={limits.DEFAULT_LIMIT_IMAGES}", metavar="SPEC",
                    help="most images per prompt: image=4 or '{\"image\": 4}' (default: %(default)s)")
     m.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="let image_url name local files under DIR (path or file:// URL); refused without it")
     m.add_argument("--allow-remote-images", action="store_true",
                    help="fetch http(s) image URLs (off by default: the server would make requests for clients)")
-    m.add_argument("--max-image-bytes", type=int, default=media.DEFAULT_MAX_IMAGE_BYTES,
+    m.add_argument("--max-image-bytes", type=int, default=limits.DEFAULT_MAX_IMAGE_BYTES,
                    help="largest encoded image accepted, in bytes (default: %(default)s)")
-    m.add_argument("--max-image-pixels", type=int, default=media.DEFAULT_MAX_IMAGE_PIXELS,
+    m.add_argument("--max-image-pixels", type=int, default=limits.DEFAULT_MAX_IMAGE_PIXELS,
                    help="largest image accepted, in width x height pixels, read from the header "
                         "(default: %(default)s)")
     m.add_argument("--remote-image-timeout", type=float, default=10.0,
@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from flashvlm.engine.sla import AdaptiveBudgetController, AdmissionController, load_tiers
     from flashvlm.llm import LLM
     from flashvlm.models.default import DEFAULT_MODEL_NAME
+    from flashvlm.server import media
     from flashvlm.server.app import build_app
     from flashvlm.server.metrics import EngineMetrics
     from flashvlm.server.serving import ServerSettings

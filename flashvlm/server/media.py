@@ -26,11 +26,9 @@ from urllib.parse import unquote, urlparse
 from PIL import Image
 
 from flashvlm.request import InvalidRequestError
+from flashvlm.server.limits import DEFAULT_LIMIT_IMAGES, DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS  # noqa: E402
 from flashvlm.server.protocol import APIError, bad_request
 
-DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
-DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
-DEFAULT_LIMIT_IMAGES = 16
 _SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 

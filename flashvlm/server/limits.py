@@ -1,0 +1,6 @@
+"""Default request limits of the server, kept free of heavy imports so `flashvlm --help` and the other
+subcommands never load FastAPI or pydantic."""
+
+DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
+DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
+DEFAULT_LIMIT_IMAGES = 16
