@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from flashvlm.bench.records import BenchRequest, RequestRecord, ScenarioResult
@@ -108,49 +109,59 @@ def engine_config_dict(llm: LLM) -> dict[str, Any]:
 
 
 def warm_up(llm: LLM, requests: list[BenchRequest], n: int = 1) -> None:
-    """Run the first n requests with 2 output tokens so lazy initialisation stays out of the numbers."""
+    """Run n requests shaped like the first ones (2 output tokens) so lazy initialisation and kernel compiles
+    stay out of the numbers. Their images are mirrored copies: the same sizes, but different content hashes,
+    so the warm-up never seeds the prefix or encoder caches with a picture the measured run then reuses."""
     for req in requests[:n]:
-        llm.generate(_prompt(req), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        images = [np.ascontiguousarray(im[:, ::-1]) if isinstance(im, np.ndarray) else im for im in req.images]
+        prompt = {**_prompt(req), "images": images}
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+
+
+class _Run:
+    """Bookkeeping shared by the scenarios: client-side tracker, the engine's step log, peak memory, clock."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm, self.engine, self.tracker = llm, llm.engine, _Tracker()
+
+    def __enter__(self) -> _Run:
+        self.engine.step_log = []
+        _reset_peak(self.engine.config.device)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.duration = time.perf_counter() - self.t0
+        self.steps, self.engine.step_log = self.engine.step_log, None
+
+    def result(self, scenario: str, label: str, workload: dict) -> ScenarioResult:
+        return _result(self.llm, scenario, label, workload, self.tracker, self.duration, self.steps)
 
 
 def run_latency(llm: LLM, requests: list[BenchRequest], workload: dict, label: str = "flashvlm",
                 progress: ProgressFn | None = None) -> ScenarioResult:
     """One request at a time; the next is sent when the previous finishes."""
-    engine = llm.engine
-    tracker = _Tracker()
-    engine.step_log = []
-    _reset_peak(engine.config.device)
-    t0 = time.perf_counter()
-    try:
+    with _Run(llm) as run:
         for req in requests:
-            rid = _submit(llm, tracker, req)
-            while rid is not None and engine.has_unfinished_requests():
-                tracker.observe(engine.step(), time.time())
+            rid = _submit(llm, run.tracker, req)
+            while rid is not None and run.engine.has_unfinished_requests():
+                run.tracker.observe(run.engine.step(), time.time())
             if progress:
                 progress(1)
-    finally:
-        steps, engine.step_log = engine.step_log, None
-    return _result(llm, "latency", label, workload, tracker, time.perf_counter() - t0, steps)
+    return run.result("latency", label, workload)
 
 
 def run_throughput(llm: LLM, requests: list[BenchRequest], workload: dict, label: str = "flashvlm",
                    progress: ProgressFn | None = None) -> ScenarioResult:
     """All requests submitted at once (MLPerf Offline); throughput over the whole run."""
-    engine = llm.engine
-    tracker = _Tracker()
-    engine.step_log = []
-    _reset_peak(engine.config.device)
-    t0 = time.perf_counter()
-    try:
+    with _Run(llm) as run:
         for req in requests:
-            _submit(llm, tracker, req)
-        while engine.has_unfinished_requests():
-            done = tracker.observe(engine.step(), time.time())
+            _submit(llm, run.tracker, req)
+        while run.engine.has_unfinished_requests():
+            done = run.tracker.observe(run.engine.step(), time.time())
             if progress and done:
                 progress(len(done))
-    finally:
-        steps, engine.step_log = engine.step_log, None
-    return _result(llm, "throughput", label, workload, tracker, time.perf_counter() - t0, steps)
+    return run.result("throughput", label, workload)
 
 
 SCENARIOS = {"latency": run_latency, "throughput": run_throughput}

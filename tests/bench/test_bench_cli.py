@@ -82,3 +82,18 @@ def test_compare_flags_regression(tmp_path, capsys) -> None:
 def test_bad_workload_is_a_clear_error(capsys) -> None:
     assert main(["bench", "latency", "--image-size", "12by34", "--device", "cpu", "--no-progress"]) == 1
     assert "12by34" in capsys.readouterr().err
+
+
+def test_warm_up_does_not_seed_the_caches(tmp_path) -> None:
+    from flashvlm import LLM
+    from flashvlm.bench.scenarios import _prompt, warm_up
+    from flashvlm.bench.workloads import WorkloadSpec, generate_workload
+    from flashvlm.models.default import default_model_path
+
+    llm = LLM(str(default_model_path()), device="cpu", kv_cache_tokens=4096)
+    reqs = generate_workload(WorkloadSpec(num_requests=1, image_sizes=[(112, 84)]),
+                             "<|vision_start|><|image_pad|><|vision_end|>")
+    warm_up(llm, reqs)
+    out = llm.generate(_prompt(reqs[0]))[0]
+    assert out.num_cached_tokens == 0
+    assert llm.engine.stats()["encoder_cache_hits"] == 0
