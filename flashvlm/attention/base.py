@@ -19,8 +19,6 @@ class AttentionMetadata:
     """(B+1,) int32: offsets of each sequence's new tokens in the flat batch."""
     seq_lens: torch.Tensor
     """(B,) int32: context length after this step (cached + new)."""
-    context_lens: torch.Tensor
-    """(B,) int32: tokens already in the cache before this step."""
     block_tables: torch.Tensor
     """(B, max_blocks) int32, padded with 0."""
     slot_mapping: torch.Tensor

@@ -43,7 +43,6 @@ class DecodeGraphs:
         self.positions = torch.zeros((3, n) if model.uses_mrope else (n,), dtype=torch.long, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.max_model_len = max_model_len
@@ -57,7 +56,7 @@ class DecodeGraphs:
         # Host fields describe the padded shape only; the Triton decode path reads device tensors.
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: size + 1], seq_lens=self.seq_lens[:size],
-            context_lens=self.context_lens[:size], block_tables=self.block_tables[:size],
+            block_tables=self.block_tables[:size],
             slot_mapping=self.slot_mapping[:size], block_size=self.block_size,
             query_start_loc_host=list(range(size + 1)), seq_lens_host=[self.max_model_len] * size,
             max_query_len=1, max_seq_len=self.max_model_len)
@@ -106,7 +105,6 @@ class DecodeGraphs:
         self.slot_mapping[b:size].fill_(-1)
         self.seq_lens[:b].copy_(meta.seq_lens, non_blocking=True)
         self.seq_lens[b:size].zero_()
-        self.context_lens[:b].copy_(meta.context_lens, non_blocking=True)
         width = meta.block_tables.shape[1]
         self.block_tables[:b, :width].copy_(meta.block_tables, non_blocking=True)
         self.graphs[size].replay()

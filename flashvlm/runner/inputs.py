@@ -7,8 +7,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flashvlm.attention.base import AttentionMetadata
+from flashvlm.attention.base import AttentionBackend, AttentionMetadata
 from flashvlm.engine.sched_output import SchedulerOutput
+from flashvlm.layers.attention import ForwardContext
+from flashvlm.models.interfaces import KVCacheSpec
 
 
 @dataclass
@@ -66,7 +68,7 @@ def build_step_inputs(out: SchedulerOutput, positions: PositionStore, block_size
     pos_parts = []
     max_blocks = max(len(s.block_ids) for s in scheduled)
     block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
-    seq_lens, context_lens, sample_rows, sample_ids = [], [], [], []
+    seq_lens, sample_rows, sample_ids = [], [], []
     for i, s in enumerate(scheduled):
         req, a, b = s.request, s.start, s.end
         lo, hi = int(query_start[i]), int(query_start[i + 1])
@@ -77,7 +79,6 @@ def build_step_inputs(out: SchedulerOutput, positions: PositionStore, block_size
         block_tables[i, : len(table)] = table
         pos_parts.append(positions.slice(req.request_id, a, b))
         seq_lens.append(b)
-        context_lens.append(a)
         if s.samples:
             sample_rows.append(hi - 1)
             sample_ids.append(req.request_id)
@@ -88,7 +89,7 @@ def build_step_inputs(out: SchedulerOutput, positions: PositionStore, block_size
 
     meta = AttentionMetadata(
         query_start_loc=dev(query_start, torch.int32), seq_lens=dev(np.asarray(seq_lens), torch.int32),
-        context_lens=dev(np.asarray(context_lens), torch.int32), block_tables=dev(block_tables, torch.int32),
+        block_tables=dev(block_tables, torch.int32),
         slot_mapping=dev(slots, torch.int64), block_size=block_size,
         query_start_loc_host=query_start.tolist(), seq_lens_host=seq_lens, max_query_len=max(counts),
         max_seq_len=max(seq_lens))
@@ -105,3 +106,21 @@ def _token_slice(prompt: list[int], output: list[int], start: int, end: int) -> 
     if start >= n:
         return output[start - n:end - n]
     return prompt[start:] + output[:end - n]
+
+
+def single_sequence_context(num_tokens: int, spec: KVCacheSpec, dtype: torch.dtype, device: str | torch.device,
+                            block_size: int, backend: AttentionBackend) -> ForwardContext:
+    """A fresh KV cache holding exactly one sequence, and metadata to prefill all its tokens at once: for
+    memory profiling and for running a model without the engine in tests."""
+    num_blocks = (num_tokens + block_size - 1) // block_size + 1  # block 0 is the null block
+    kv = [torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
+          for _ in range(spec.num_layers)]
+    blocks = torch.arange(1, num_blocks, dtype=torch.int32, device=device)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        block_tables=blocks[None, :],
+        slot_mapping=torch.arange(block_size, block_size + num_tokens, dtype=torch.int64, device=device),
+        block_size=block_size, query_start_loc_host=[0, num_tokens], seq_lens_host=[num_tokens],
+        max_query_len=num_tokens, max_seq_len=num_tokens)
+    return ForwardContext(attn_meta=meta, kv_caches=kv, backend=backend)

@@ -15,7 +15,7 @@ from flashvlm.layers.attention import ForwardContext
 from flashvlm.models.interfaces import VLModel
 from flashvlm.request import MMItem, Request
 from flashvlm.runner.cuda_graph import DecodeGraphs
-from flashvlm.runner.inputs import PositionStore, build_step_inputs
+from flashvlm.runner.inputs import PositionStore, build_step_inputs, single_sequence_context
 from flashvlm.runner.sampler import Sampler, make_generator
 
 logger = logging.getLogger(__name__)
@@ -123,10 +123,9 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        from flashvlm.testing.harness import single_sequence_prefill_context
-
-        ctx = single_sequence_prefill_context(n, self.model.kv_cache_spec(), self.dtype, self.device,
-                                              self.block_size)
+        # Profiled through the engine's own backend, so its kernels' workspace counts too.
+        ctx = single_sequence_context(n, self.model.kv_cache_spec(), self.dtype, self.device, self.block_size,
+                                      self.backend)
         kv_bytes = sum(t.numel() * t.element_size() for t in ctx.kv_caches)
         with torch.inference_mode():
             embeds = self.model.embed_tokens(torch.zeros(n, dtype=torch.long, device=self.device))

@@ -204,7 +204,7 @@ def _meta(q_lens: list[int], ctx_lens: list[int], tables: torch.Tensor, device: 
 
     return AttentionMetadata(
         query_start_loc=dev(qsl, torch.int32), seq_lens=dev(seq_lens, torch.int32),
-        context_lens=dev(ctx_lens, torch.int32), block_tables=tables, slot_mapping=slot_mapping.to(device),
+        block_tables=tables, slot_mapping=slot_mapping.to(device),
         block_size=BLOCK_SIZE, query_start_loc_host=qsl, seq_lens_host=seq_lens, max_query_len=max(q_lens),
         max_seq_len=max(seq_lens))
 
