@@ -64,7 +64,9 @@ def build_parser(sub: argparse._SubParsersAction) -> None:
     scen = bench.add_subparsers(dest="scenario", metavar="SCENARIO", required=True)
     fmt = argparse.ArgumentDefaultsHelpFormatter
     for name, help_text in (("latency", "single stream (MLPerf SingleStream): TTFT, TPOT, E2E percentiles"),
-                            ("throughput", "offline (MLPerf Offline): all requests at once; tokens/s, peak memory")):
+                            ("throughput", "offline (MLPerf Offline): all requests at once; tokens/s, peak memory"),
+                            ("multiturn", "single stream, each request followed by a follow-up turn on the same "
+                                          "images: TTFT of first and follow-up turns (prefix caching)")):
         p = scen.add_parser(name, help=help_text, description=help_text, formatter_class=fmt)
         add_model_args(p)
         add_workload_args(p, with_seed=False)
@@ -145,11 +147,27 @@ def _progress(args: argparse.Namespace, total: int, desc: str):
     return bar, bar.update
 
 
-def _finish(result: ScenarioResult, args: argparse.Namespace, floors=None) -> ScenarioResult:
+def _finish(result: ScenarioResult, args: argparse.Namespace, floors=None,
+            requests: list[BenchRequest] | None = None) -> ScenarioResult:
     from flashvlm.bench.floors import achieved
-    from flashvlm.bench.metrics import parse_goodput, summarize
+    from flashvlm.bench.metrics import parse_goodput, percentiles, summarize
 
     summary = summarize(result, parse_goodput(args.goodput) if args.goodput else None)
+    ttft = {r.request_id: r.ttft * 1e3 for r in result.records if r.success and r.ttft is not None}
+    if result.scenario == "multiturn":
+        for turn in ("turn1", "turn2"):
+            summary[f"{turn}_ttft_ms"] = percentiles(v for k, v in ttft.items() if k.endswith("/" + turn))
+    elif requests and any(r.image_keys for r in requests):
+        # TTFT split by whether a request's images all appeared earlier in the workload (cache benchmarks).
+        seen: set[str] = set()
+        first, repeat = [], []
+        for req in requests:
+            if req.request_id in ttft and req.image_keys:
+                (repeat if all(k in seen for k in req.image_keys) else first).append(ttft[req.request_id])
+            seen.update(req.image_keys)
+        if repeat:
+            summary["ttft_first_image_ms"] = percentiles(first)
+            summary["ttft_repeated_image_ms"] = percentiles(repeat)
     decode_steps = [s.host_s * 1e3 for s in result.steps if s.num_prefill_tokens == 0]
     if decode_steps:  # host (CPU) time per pure-decode step: what CUDA graphs and fewer syncs cut
         from flashvlm.bench.metrics import percentiles
@@ -208,7 +226,7 @@ def _run_offline(args: argparse.Namespace, scenario: str, configs: list[dict[str
         result = SCENARIOS[scenario](llm, requests, workload, label=label, progress=update)
         if bar is not None:
             bar.close()
-        runs.append(_finish(result, args, floors))
+        runs.append(_finish(result, args, floors, requests))
         del llm  # each configuration gets the whole device
         _free_device_memory()
     if getattr(args, "baseline", None) == "transformers":

@@ -164,4 +164,37 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], workload: dict, label
     return run.result("throughput", label, workload)
 
 
-SCENARIOS = {"latency": run_latency, "throughput": run_throughput}
+def run_multiturn(llm: LLM, requests: list[BenchRequest], workload: dict, label: str = "flashvlm",
+                  progress: ProgressFn | None = None) -> ScenarioResult:
+    """Each request, then a follow-up turn of the same conversation (its prompt, its answer and a new question,
+    same images), one at a time. Records come in pairs: `<id>/turn1`, `<id>/turn2`; the follow-up's TTFT shows
+    what prefix caching saves when a user asks again about the same picture."""
+    tokenizer = llm.get_tokenizer()
+    rng = np.random.default_rng(len(requests))
+    with _Run(llm) as run:
+        for req in requests:
+            first = _run_one(llm, run, req, f"{req.request_id}/turn1")
+            if first is not None:
+                words = " ".join(rng.choice(["what", "about", "the", "shape", "left", "colour", "now"], size=8))
+                follow = list(first.prompt_token_ids) + list(first.token_ids) + tokenizer.encode(
+                    " " + words, add_special_tokens=False)
+                turn2 = BenchRequest(f"{req.request_id}/turn2", "", req.images, req.max_tokens,
+                                     prompt_token_ids=follow)
+                _run_one(llm, run, turn2, turn2.request_id)
+            if progress:
+                progress(1)
+    return run.result("multiturn", label, workload)
+
+
+def _run_one(llm: LLM, run: _Run, req: BenchRequest, record_id: str) -> RequestOutput | None:
+    rid = _submit(llm, run.tracker, BenchRequest(record_id, req.prompt, req.images, req.max_tokens,
+                                                 prompt_token_ids=req.prompt_token_ids))
+    final = None
+    while rid is not None and run.engine.has_unfinished_requests():
+        outs = run.engine.step()
+        run.tracker.observe(outs, time.time())
+        final = next((o for o in outs if o.request_id == rid and o.finished), final)
+    return final
+
+
+SCENARIOS = {"latency": run_latency, "throughput": run_throughput, "multiturn": run_multiturn}

@@ -97,3 +97,16 @@ def test_warm_up_does_not_seed_the_caches(tmp_path) -> None:
     out = llm.generate(_prompt(reqs[0]))[0]
     assert out.num_cached_tokens == 0
     assert llm.engine.stats()["encoder_cache_hits"] == 0
+
+
+def test_multiturn_and_repeated_image_splits(tmp_path) -> None:
+    doc = _run(["multiturn", *SMALL], tmp_path / "m")
+    run = doc["runs"][0]
+    ids = [r["request_id"] for r in run["records"]]
+    assert ids == [f"req-0000{i}/turn{t}" for i in range(3) for t in (1, 2)]
+    turn1, turn2 = run["records"][0], run["records"][1]
+    assert turn2["prompt_tokens"] > turn1["prompt_tokens"] + turn1["output_tokens"]
+    assert run["summary"]["turn2_ttft_ms"]["p50"] is not None
+    doc = _run(["latency", *SMALL, "--num-requests", "4", "--repeated-image-ratio", "0.5"], tmp_path / "r")
+    s = doc["runs"][0]["summary"]
+    assert s["ttft_first_image_ms"]["p50"] is not None and s["ttft_repeated_image_ms"]["p50"] is not None
