@@ -39,6 +39,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="paged attention: auto = Triton kernels on CUDA, plain torch (reference) on CPU")
     g.add_argument("--kernel-backend", default="triton", choices=["triton", "torch"],
                    help="fused norm/rotary/activation ops: Triton on CUDA tensors, or the torch reference")
+    g.add_argument("--preprocess-on-gpu", action="store_true",
+                   help="rescale/normalize/patchify images on the GPU (queued requests' pixels then use GPU memory)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (decode steps are captured only with --attention-backend triton on CUDA)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -108,7 +110,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_tokens=args.kv_cache_tokens,
                 block_size=args.block_size, load_format=args.load_format, seed=args.seed,
                 attention_backend=args.attention_backend, kernel_backend=args.kernel_backend,
-                enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
+                enforce_eager=args.enforce_eager, preprocess_on_gpu=args.preprocess_on_gpu,
+                enable_prefix_caching=args.enable_prefix_caching,
                 encoder_cache_tokens=args.encoder_cache_tokens)
 
 

@@ -60,6 +60,9 @@ class EngineConfig:
     triton (paged Triton kernels; CUDA, or CPU under TRITON_INTERPRET=1)."""
     kernel_backend: str = "triton"
     """Fused norm / rotary / activation ops: triton (on CUDA tensors) or torch (the reference path)."""
+    preprocess_on_gpu: bool = False
+    """Rescale, normalize and patchify images on the engine's GPU (decode and resize stay on the CPU). The
+    preprocessed pixels of queued requests then live in GPU memory, outside the KV budget: opt-in."""
     enforce_eager: bool = False
     """Never use CUDA graphs (they need the triton attention backend on CUDA)."""
 

@@ -25,7 +25,8 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  gpu_memory_utilization: float = 0.9, kv_cache_tokens: int | None = None, block_size: int = 16,
                  seed: int = 0, load_format: str = "auto", attention_backend: str = "auto",
-                 kernel_backend: str = "triton", enforce_eager: bool = False, enable_prefix_caching: bool = True,
+                 kernel_backend: str = "triton", enforce_eager: bool = False, preprocess_on_gpu: bool = False,
+                 enable_prefix_caching: bool = True,
                  encoder_cache_tokens: int = 8192) -> None:
         if model is None:
             from flashvlm.models.default import default_model_path
@@ -39,7 +40,7 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching, encoder_cache_tokens=encoder_cache_tokens),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             device=device, attention_backend=attention_backend, kernel_backend=kernel_backend,
-            enforce_eager=enforce_eager)
+            enforce_eager=enforce_eager, preprocess_on_gpu=preprocess_on_gpu)
         self.engine = Engine(config)
 
     def get_tokenizer(self) -> Any:

@@ -63,7 +63,8 @@ class Engine:
         # "Caching off" (both caches off) also turns off the preprocessed-pixel cache: a cold baseline.
         caching = cache.enable_prefix_caching or cache.encoder_cache_tokens > 0
         self.input_processor = InputProcessor(self.checkpoint, text_cfg.vocab_size, self.model.image_token_id,
-                                              pixel_cache_bytes=(256 << 20) if caching else 0)
+                                              pixel_cache_bytes=(256 << 20) if caching else 0,
+                                              preprocess_device=config.device if config.preprocess_on_gpu else None)
         self.tokenizer = self.checkpoint.tokenizer
         self.eos_token_ids = self.checkpoint.eos_token_ids()
         self._tracked: dict[str, _Tracked] = {}

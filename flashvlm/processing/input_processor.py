@@ -75,7 +75,8 @@ class InputProcessor:
     """Owns the tokenizer, chat template and image processor of one model."""
 
     def __init__(self, checkpoint: Checkpoint, vocab_size: int, image_token_id: int,
-                 max_images_per_prompt: int = 16, pixel_cache_bytes: int = 256 << 20) -> None:
+                 max_images_per_prompt: int = 16, pixel_cache_bytes: int = 256 << 20,
+                 preprocess_device: str | None = None) -> None:
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
         self.vocab_size = vocab_size
@@ -85,6 +86,8 @@ class InputProcessor:
         self.pixel_cache = PixelCache(pixel_cache_bytes)
         """Preprocessed pixels of recent images; pixel_cache_bytes=0 turns it off."""
         self._image_token = self.tokenizer.convert_ids_to_tokens(image_token_id)
+        self.preprocess_device = preprocess_device
+        """Where rescale/normalize/patchify run (None: CPU); decoding and resizing always run on the CPU."""
 
     # ---- prompts -------------------------------------------------------------------------------
     def process(self, prompt: str | dict[str, Any], mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
@@ -187,14 +190,15 @@ class InputProcessor:
             params = proc.processor_params(lo, hi)  # validates the overrides
             mm_hash = hash_image(img, params)
             cached = self.pixel_cache.get(mm_hash)
-            pixels, grid = cached if cached is not None else proc.preprocess(img, min_pixels=lo, max_pixels=hi)
+            pixels, grid = cached if cached is not None else proc.preprocess(img, min_pixels=lo, max_pixels=hi,
+                                                                             device=self.preprocess_device)
             num_tokens = proc.num_image_tokens(grid)
         elif isinstance(proc, ClipImageProcessor):
             if kwargs:
                 raise InvalidRequestError(f"this model takes no mm_processor_kwargs, got {sorted(kwargs)}")
             mm_hash = hash_image(img, proc.processor_params())
             cached = self.pixel_cache.get(mm_hash)
-            pixels, grid = cached if cached is not None else (proc.preprocess(img), None)
+            pixels, grid = cached if cached is not None else (proc.preprocess(img, device=self.preprocess_device), None)
             cfg = self.checkpoint.hf_config
             num_tokens = proc.num_image_tokens(cfg.vision_config.patch_size, cfg.vision_feature_select_strategy)
         else:  # pragma: no cover - get_image_processor only returns the two above

@@ -198,3 +198,20 @@ def test_stage_breakdown_adds_up(llm: LLM) -> None:
     assert sum(s.num_images for s in steps) == 1
     assert sum(s.num_decode_tokens for s in steps) == 2 * 5  # the first token of each comes from prefill
     assert all(s.forward_s > 0 and s.host_s >= s.forward_s for s in steps)
+
+
+def test_preprocess_on_device_matches_host(ckpt) -> None:
+    """The device path (rescale/normalize/patchify after the PIL resize) equals the host path bit for bit."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_device = LLM(str(ckpt), device=device, kv_cache_tokens=2048, preprocess_on_gpu=True, dtype="float32")
+    host = LLM(str(ckpt), device="cpu", kv_cache_tokens=2048)
+    prompt = {"prompt": IMG + "Describe.", "images": [_array(150, 97, 4)]}
+    a = on_device.engine.process_prompt(prompt).mm_items[0]
+    b = host.engine.process_prompt(prompt).mm_items[0]
+    assert a.pixel_values.device.type == device and a.grid_thw == b.grid_thw and a.mm_hash == b.mm_hash
+    assert torch.equal(a.pixel_values.cpu(), b.pixel_values)
+    if device == "cpu":  # across devices only the pixels are compared: CPU and GPU arithmetic may differ
+        params = _greedy(6, ignore_eos=True)
+        assert on_device.generate(prompt, params)[0].token_ids == host.generate(prompt, params)[0].token_ids
