@@ -75,7 +75,9 @@ class ModelRunner:
             # eager steps use the same splits so both paths reduce in the same order (identical bf16 results).
             self.backend.max_seq_len_bound = config.scheduler.max_model_len
         self.graphs: DecodeGraphs | None = None
-        self.sampler = Sampler()
+        # Unseeded requests draw from the engine's own generator, never torch's global one, so other torch
+        # code in the process cannot change an engine's samples, and engines do not share a stream.
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model.seed))
         self.kv_caches: list[torch.Tensor] = []
         self.positions = PositionStore()
         self.encoder_outputs: dict[str, torch.Tensor] = {}

@@ -215,3 +215,13 @@ def test_preprocess_on_device_matches_host(ckpt) -> None:
     if device == "cpu":  # across devices only the pixels are compared: CPU and GPU arithmetic may differ
         params = _greedy(6, ignore_eos=True)
         assert on_device.generate(prompt, params)[0].token_ids == host.generate(prompt, params)[0].token_ids
+
+
+def test_unseeded_sampling_uses_the_engine_generator(ckpt) -> None:
+    import torch
+
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    a = LLM(str(ckpt), device="cpu", kv_cache_tokens=1024, seed=3).generate("Tell me", params)[0].token_ids
+    llm = LLM(str(ckpt), device="cpu", kv_cache_tokens=1024, seed=3)
+    torch.rand(1000)  # other code using torch's global RNG must not change the engine's samples
+    assert llm.generate("Tell me", params)[0].token_ids == a
