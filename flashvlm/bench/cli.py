@@ -182,10 +182,7 @@ def _floors(llm, requests: list[BenchRequest], args: argparse.Namespace):
     from flashvlm.bench.floors import model_cost, workload_floors
 
     n = max(len(requests), 1)
-    processed = [llm.engine.process_prompt({"prompt": r.prompt, "images": r.images}
-                                           if r.prompt_token_ids is None else
-                                           {"prompt_token_ids": r.prompt_token_ids, "images": r.images})
-                 for r in requests[: min(n, 8)]]
+    processed = [llm.engine.process_prompt(r.engine_prompt()) for r in requests[: min(n, 8)]]
     prompt = sum(len(p.prompt_token_ids) for p in processed) / len(processed)
     patches = sum(it.pixel_values.shape[0] if it.grid_thw else (it.num_tokens + 1)
                   for p in processed for it in p.mm_items) / len(processed)

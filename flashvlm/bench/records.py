@@ -30,6 +30,12 @@ class BenchRequest:
     image_keys: list[str] = field(default_factory=list)
     """Stable ids of the images (equal keys = the same picture), for repeated-image workloads."""
 
+    def engine_prompt(self) -> dict[str, Any]:
+        """The prompt dict `LLM.generate` / `InputProcessor.process` take."""
+        if self.prompt_token_ids is not None:
+            return {"prompt_token_ids": self.prompt_token_ids, "images": self.images}
+        return {"prompt": self.prompt, "images": self.images}
+
 
 @dataclass
 class RequestRecord:

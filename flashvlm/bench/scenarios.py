@@ -25,12 +25,6 @@ def sampling_for(req: BenchRequest) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
 
 
-def _prompt(req: BenchRequest) -> dict[str, Any]:
-    if req.prompt_token_ids is not None:
-        return {"prompt_token_ids": req.prompt_token_ids, "images": req.images}
-    return {"prompt": req.prompt, "images": req.images}
-
-
 class _Tracker:
     """Client-side view of requests in flight: token arrival times per request."""
 
@@ -70,7 +64,7 @@ def _submit(llm: LLM, tracker: _Tracker, req: BenchRequest) -> str | None:
     engine = llm.engine
     start = time.time()
     try:
-        processed = engine.process_prompt(_prompt(req))
+        processed = engine.process_prompt(req.engine_prompt())
         engine_req = engine.add_processed(processed, sampling_for(req), arrival_time=start)
     except ValueError as e:  # InvalidRequestError and friends: recorded, the run goes on
         tracker.records[f"failed-{req.request_id}"] = RequestRecord(
@@ -114,7 +108,7 @@ def warm_up(llm: LLM, requests: list[BenchRequest], n: int = 1) -> None:
     so the warm-up never seeds the prefix or encoder caches with a picture the measured run then reuses."""
     for req in requests[:n]:
         images = [np.ascontiguousarray(im[:, ::-1]) if isinstance(im, np.ndarray) else im for im in req.images]
-        prompt = {**_prompt(req), "images": images}
+        prompt = {**req.engine_prompt(), "images": images}
         llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
 
 

@@ -151,10 +151,11 @@ class Engine:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
         # An empty step still goes through update(): it reports requests the scheduler ended itself.
-        sampled = self.runner.execute(out) if not out.is_empty else {}
         if out.is_empty:
             self.runner.release(out)
-        timings = self.runner.last_timings if not out.is_empty else StepTimings()
+            sampled, timings = {}, StepTimings()
+        else:
+            sampled, timings = self.runner.execute(out), self.runner.last_timings
         if timings.num_images:
             by_id = {s.request.request_id: s.request for s in out.scheduled}
             for rid in out.encoder_inputs:
@@ -183,10 +184,10 @@ class Engine:
                 outputs.append(self._make_output(tracked))
         if self.step_log is not None and not out.is_empty:
             decode = sum(1 for s in out.scheduled if s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens)
-            prefill = out.total_num_scheduled_tokens - decode
+            total = out.total_num_scheduled_tokens
             self.step_log.append(StepRecord(
-                num_seqs=len(out.scheduled), num_tokens=out.total_num_scheduled_tokens, num_prefill_tokens=prefill,
-                num_decode_tokens=out.total_num_scheduled_tokens - prefill, num_images=timings.num_images,
+                num_seqs=len(out.scheduled), num_tokens=total, num_prefill_tokens=total - decode,
+                num_decode_tokens=decode, num_images=timings.num_images,
                 host_s=time.perf_counter() - t0, vision_s=timings.vision_s, forward_s=timings.forward_s))
         return outputs
 

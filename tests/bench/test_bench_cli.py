@@ -86,7 +86,7 @@ def test_bad_workload_is_a_clear_error(capsys) -> None:
 
 def test_warm_up_does_not_seed_the_caches(tmp_path) -> None:
     from flashvlm import LLM
-    from flashvlm.bench.scenarios import _prompt, warm_up
+    from flashvlm.bench.scenarios import warm_up
     from flashvlm.bench.workloads import WorkloadSpec, generate_workload
     from flashvlm.models.default import default_model_path
 
@@ -94,7 +94,7 @@ def test_warm_up_does_not_seed_the_caches(tmp_path) -> None:
     reqs = generate_workload(WorkloadSpec(num_requests=1, image_sizes=[(112, 84)]),
                              "<|vision_start|><|image_pad|><|vision_end|>")
     warm_up(llm, reqs)
-    out = llm.generate(_prompt(reqs[0]))[0]
+    out = llm.generate(reqs[0].engine_prompt())[0]
     assert out.num_cached_tokens == 0
     assert llm.engine.stats()["encoder_cache_hits"] == 0
 

@@ -76,9 +76,7 @@ class TransformersBaseline:
 
     # ---- inputs ----------------------------------------------------------------------------------
     def _process(self, req: BenchRequest) -> ProcessedPrompt:
-        if req.prompt_token_ids is not None:
-            return self.processor.process({"prompt_token_ids": req.prompt_token_ids, "images": req.images})
-        return self.processor.process({"prompt": req.prompt, "images": req.images})
+        return self.processor.process(req.engine_prompt())
 
     def _batch_inputs(self, prompts: list[ProcessedPrompt]) -> dict[str, Any]:
         """Left-padded batch in the layout the transformers model classes take."""
