@@ -47,6 +47,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0
     """Filled from ModelConfig once the checkpoint's limit is known."""
+    max_running_per_group: dict[str, int] = field(default_factory=dict)
+    """Most running requests per scheduling group (the server's SLA tiers: their share and max_batch); a
+    group at its cap waits while requests of other groups behind it are admitted. Groups not named: no cap."""
 
 
 @dataclass
@@ -86,6 +89,9 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
         if s.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
+        for group, cap in s.max_running_per_group.items():
+            if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+                raise ConfigError(f"max_running_per_group[{group!r}] must be a positive integer, got {cap!r}")
         if self.attention_backend not in ("auto", "reference", "triton"):
             raise ConfigError(f"attention_backend must be auto, reference or triton, got {self.attention_backend!r}")
         if self.kernel_backend not in ("triton", "torch"):

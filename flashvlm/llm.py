@@ -27,7 +27,7 @@ class LLM:
                  seed: int = 0, load_format: str = "auto", attention_backend: str = "auto",
                  kernel_backend: str = "triton", enforce_eager: bool = False, preprocess_on_gpu: bool = False,
                  enable_prefix_caching: bool = True,
-                 encoder_cache_tokens: int = 8192) -> None:
+                 encoder_cache_tokens: int = 8192, max_running_per_group: dict[str, int] | None = None) -> None:
         if model is None:
             from flashvlm.models.default import default_model_path
 
@@ -38,7 +38,8 @@ class LLM:
             cache=CacheConfig(block_size=block_size, kv_cache_tokens=kv_cache_tokens,
                               gpu_memory_utilization=gpu_memory_utilization,
                               enable_prefix_caching=enable_prefix_caching, encoder_cache_tokens=encoder_cache_tokens),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      max_running_per_group=dict(max_running_per_group or {})),
             device=device, attention_backend=attention_backend, kernel_backend=kernel_backend,
             enforce_eager=enforce_eager, preprocess_on_gpu=preprocess_on_gpu)
         self.engine = Engine(config)

@@ -111,6 +111,8 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.time)
     eos_token_ids: tuple[int, ...] = ()
+    group: str | None = None
+    """Scheduling group (the server's SLA tier), for SchedulerConfig.max_running_per_group."""
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

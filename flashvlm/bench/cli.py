@@ -80,7 +80,9 @@ def build_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0, help="1 = Poisson arrivals; gamma shape otherwise")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    p.add_argument("--tier", default=None, help="SLA tier sent as the x-sla-tier header")
+    p.add_argument("--tier", default=None,
+                   help="SLA tier sent as the x-sla-tier header: one name, or a seeded mix such as "
+                        "'gold:0.2,bronze:0.8' (the report then adds one row per tier)")
     add_workload_args(p)
     add_output_args(p)
     p = scen.add_parser("sweep", help="one workload over several engine configurations, ranked",
@@ -89,7 +91,7 @@ def build_parser(sub: argparse._SubParsersAction) -> None:
                                     "configuration is the baseline row of the ratio table.")
     p.add_argument("--configs", required=True,
                    help='JSON list (or a file holding one) of {"name": ..., <LLM keyword>: value, ...}')
-    p.add_argument("--sweep-scenario", default="throughput", choices=["latency", "throughput"])
+    p.add_argument("--sweep-scenario", default="throughput", choices=["latency", "throughput", "multiturn"])
     add_model_args(p)
     add_workload_args(p, with_seed=False)
     add_output_args(p)
@@ -259,24 +261,31 @@ def _default_device() -> str:
 
 def _run_serve(args: argparse.Namespace) -> list[ScenarioResult]:
     from flashvlm.bench.loadgen import run_load_sync
-    from flashvlm.bench.workloads import arrival_times
+    from flashvlm.bench.workloads import arrival_times, assign_tiers, parse_tier_mix
 
     requests, workload = _workload(args, "")
     offsets = None
     if args.request_rate != float("inf"):
         offsets = arrival_times(len(requests), args.request_rate, args.burstiness, seed=args.seed)
-    headers = {"x-sla-tier": args.tier} if args.tier else None
+    mix = parse_tier_mix(args.tier) if args.tier else []
+    tiers = assign_tiers(len(requests), mix, args.seed) if mix else [None] * len(requests)
     records, duration = run_load_sync(args.base_url, args.served_model, requests, arrival_offsets=offsets,
-                                      max_concurrency=args.max_concurrency, endpoint=args.endpoint, headers=headers,
-                                      progress=not args.no_progress, extra_body={"ignore_eos": True})
-    for rec in records:
-        rec.tier = args.tier
+                                      max_concurrency=args.max_concurrency, endpoint=args.endpoint,
+                                      progress=not args.no_progress, extra_body={"ignore_eos": True},
+                                      request_headers=[{"x-sla-tier": t} if t else None for t in tiers])
+    for rec, tier in zip(records, tiers):
+        rec.tier = tier
     workload = {**workload, "request_rate": args.request_rate, "burstiness": args.burstiness,
-                "max_concurrency": args.max_concurrency, "endpoint": args.endpoint}
-    result = ScenarioResult(scenario="serve", label=args.served_model,
-                            config={"base_url": args.base_url, "model": args.served_model}, workload=workload,
-                            records=records, duration_s=duration)
-    return [_finish(result, args)]
+                "max_concurrency": args.max_concurrency, "endpoint": args.endpoint, "tiers": args.tier}
+    config = {"base_url": args.base_url, "model": args.served_model}
+    results = [ScenarioResult(scenario="serve", label=args.served_model, config=config, workload=workload,
+                              records=records, duration_s=duration)]
+    if len(mix) > 1:  # one more row per tier: each tier's percentiles against its own targets
+        for name, _ in mix:
+            subset = [r for r in records if r.tier == name]
+            results.append(ScenarioResult(scenario="serve", label=f"{args.served_model}[{name}]", config=config,
+                                          workload={**workload, "tier": name}, records=subset, duration_s=duration))
+    return [_finish(r, args) for r in results]
 
 
 def _load_configs(spec: str) -> list[dict[str, Any]]:
@@ -311,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
         runs = _run_offline(args, args.sweep_scenario, _load_configs(args.configs))
     else:
         runs = _run_offline(args, args.scenario, [{"name": "flashvlm"}])
-    if len(runs) > 1:
+    if len(runs) > 1 and args.scenario != "serve":  # serve's extra rows are tiers of one run, not systems
         for row, run_ in zip(ratio_table([{"label": r.label, **r.summary} for r in runs]), runs):
             run_.summary["ratios"] = row["ratios"]
     print(format_table(runs))

@@ -118,6 +118,7 @@ async def run_load(base_url: str, model: str, requests: Sequence[BenchRequest], 
                    arrival_offsets: Sequence[float] | None = None, max_concurrency: int | None = None,
                    endpoint: Endpoint = "chat", timeout_s: float = 600.0, headers: dict[str, str] | None = None,
                    progress: bool = True, extra_body: dict[str, Any] | None = None,
+                   request_headers: Sequence[dict[str, str] | None] | None = None,
                    ) -> tuple[list[RequestRecord], float]:
     """Send `requests` (streaming) and measure each; returns the records in request order and the duration.
 
@@ -127,6 +128,7 @@ async def run_load(base_url: str, model: str, requests: Sequence[BenchRequest], 
             vllm's client, so its TTFT does not include that wait.
         max_concurrency: cap on requests in flight; None for no cap.
         timeout_s: limit on one request from send to end of stream.
+        request_headers: extra headers per request (e.g. each one's SLA tier), on top of `headers`.
     Returns:
         (records, duration) where duration runs from the first send to the last completion, in seconds.
     """
@@ -137,6 +139,8 @@ async def run_load(base_url: str, model: str, requests: Sequence[BenchRequest], 
             raise ValueError("arrival offsets must be >= 0")
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    if request_headers is not None and len(request_headers) != len(requests):
+        raise ValueError(f"{len(request_headers)} header sets for {len(requests)} requests")
     url = endpoint_url(base_url, endpoint)
 
     # Everything CPU-heavy (image encoding) happens before the clock starts; see ImageEncoder.
@@ -160,6 +164,7 @@ async def run_load(base_url: str, model: str, requests: Sequence[BenchRequest], 
 
         async def one(i: int) -> RequestRecord:
             req, body = requests[i], bodies[i]
+            extra = request_headers[i] if request_headers is not None else None
             try:
                 if isinstance(body, str):
                     return RequestRecord(request_id=req.request_id, success=False, error=body,
@@ -170,9 +175,9 @@ async def run_load(base_url: str, model: str, requests: Sequence[BenchRequest], 
                     while (wait := target - loop.time()) > 0:
                         await asyncio.sleep(wait)
                 if semaphore is None:
-                    return await _send(client, url, req, body, endpoint, timeout_s, send_times, end_times)
+                    return await _send(client, url, req, body, endpoint, timeout_s, send_times, end_times, extra)
                 async with semaphore:
-                    return await _send(client, url, req, body, endpoint, timeout_s, send_times, end_times)
+                    return await _send(client, url, req, body, endpoint, timeout_s, send_times, end_times, extra)
             finally:
                 if bar is not None:
                     bar.update(1)
@@ -190,15 +195,18 @@ def run_load_sync(base_url: str, model: str, requests: Sequence[BenchRequest], *
                   arrival_offsets: Sequence[float] | None = None, max_concurrency: int | None = None,
                   endpoint: Endpoint = "chat", timeout_s: float = 600.0, headers: dict[str, str] | None = None,
                   progress: bool = True, extra_body: dict[str, Any] | None = None,
+                  request_headers: Sequence[dict[str, str] | None] | None = None,
                   ) -> tuple[list[RequestRecord], float]:
     """run_load for callers without an event loop (the CLI, tests)."""
     return asyncio.run(run_load(base_url, model, requests, arrival_offsets=arrival_offsets,
                                 max_concurrency=max_concurrency, endpoint=endpoint, timeout_s=timeout_s,
-                                headers=headers, progress=progress, extra_body=extra_body))
+                                headers=headers, progress=progress, extra_body=extra_body,
+                                request_headers=request_headers))
 
 
 async def _send(client: httpx.AsyncClient, url: str, req: BenchRequest, body: dict[str, Any], endpoint: Endpoint,
-                timeout_s: float, send_times: list[float], end_times: list[float]) -> RequestRecord:
+                timeout_s: float, send_times: list[float], end_times: list[float],
+                extra_headers: dict[str, str] | None = None) -> RequestRecord:
     rec = RequestRecord(request_id=req.request_id, num_images=len(req.images),
                         prompt_tokens=len(req.prompt_token_ids or ()))
     content = json.dumps(body).encode()  # serialized here, not up front: bodies share image strings, bytes would not
@@ -206,7 +214,7 @@ async def _send(client: httpx.AsyncClient, url: str, req: BenchRequest, body: di
     st = time.perf_counter()
     send_times.append(st)
     try:
-        await asyncio.wait_for(_stream(client, url, content, endpoint == "chat", rec, st), timeout_s)
+        await asyncio.wait_for(_stream(client, url, content, endpoint == "chat", rec, st, extra_headers), timeout_s)
     except asyncio.TimeoutError:
         rec.success, rec.error = False, f"timed out after {timeout_s:g} s"
     except RequestFailed as e:
@@ -220,9 +228,10 @@ async def _send(client: httpx.AsyncClient, url: str, req: BenchRequest, body: di
 
 
 async def _stream(client: httpx.AsyncClient, url: str, content: bytes, chat: bool, rec: RequestRecord,
-                  st: float) -> None:
+                  st: float, extra_headers: dict[str, str] | None = None) -> None:
     """Post one request and read its SSE stream, filling rec's timings and token counts."""
-    async with client.stream("POST", url, content=content, headers={"Content-Type": "application/json"}) as resp:
+    headers = {"Content-Type": "application/json", **(extra_headers or {})}
+    async with client.stream("POST", url, content=content, headers=headers) as resp:
         if resp.status_code != 200:
             raise RequestFailed(f"HTTP {resp.status_code}: {_error_message(await resp.aread())}")
         ctype = resp.headers.get("content-type", "")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import random
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -335,3 +336,32 @@ def arrival_times(n: int, request_rate: float, burstiness: float = 1.0, seed: in
     else:
         gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=n - 1)
     return np.concatenate([[0.0], np.cumsum(gaps)]).tolist()
+
+
+def parse_tier_mix(spec: str) -> list[tuple[str, float]]:
+    """'gold' -> [('gold', 1.0)]; 'gold:0.2,bronze:0.8' -> the tiers with their fractions (summing to 1)."""
+    mix: list[tuple[str, float]] = []
+    for part in spec.split(","):
+        name, sep, frac = part.strip().partition(":")
+        if not name:
+            raise ValueError(f"--tier {spec!r}: empty tier name")
+        try:
+            p = float(frac) if sep else 1.0
+        except ValueError:
+            raise ValueError(f"--tier {spec!r}: {frac!r} is not a fraction") from None
+        if not 0 < p <= 1:
+            raise ValueError(f"--tier {spec!r}: fraction of {name!r} must be in (0, 1]")
+        mix.append((name, p))
+    if len({n for n, _ in mix}) != len(mix):
+        raise ValueError(f"--tier {spec!r}: a tier is named twice")
+    total = sum(p for _, p in mix)
+    if abs(total - 1.0) > 1e-6:
+        raise ValueError(f"--tier {spec!r}: fractions sum to {total:g}, not 1")
+    return mix
+
+
+def assign_tiers(n: int, mix: Sequence[tuple[str, float]], seed: int) -> list[str]:
+    """A seeded tier per request, drawn from the mix (the same workload seed gives the same assignment)."""
+    rng = random.Random(f"tiers:{seed}")
+    names, weights = [m[0] for m in mix], [m[1] for m in mix]
+    return rng.choices(names, weights=weights, k=n)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -88,15 +89,34 @@ class Batcher:
                 "mm_token_type_ids": (ids == self.image_token_id).long().to(device)}
 
 
-def answer_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    """Teacher-forced exact match: every answer token predicted right (a fast proxy for greedy accuracy)."""
+def answer_correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced exact match per row: every answer token predicted right (a fast proxy for greedy accuracy)."""
     pred = logits[:, :-1].argmax(-1)
     gold = labels[:, 1:]
-    ok = ((pred == gold) | (gold == -100)).all(dim=1)
-    return ok.float().mean().item()
+    return ((pred == gold) | (gold == -100)).all(dim=1)
 
 
-def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: str, log_every: int = 100) -> dict:
+class StepBatches(torch.utils.data.Dataset):
+    """Batch `i` of the training stream, built from its step index alone: the data order is fixed by the seed
+    whatever the number of loader workers, and workers take image drawing and preprocessing off the GPU's path."""
+
+    def __init__(self, batcher: Batcher, seed: int, steps: int, batch_size: int) -> None:
+        self.batcher, self.seed, self.steps, self.batch_size = batcher, seed, steps, batch_size
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, step: int) -> dict:
+        start = step * self.batch_size
+        return self.batcher([make_example(self.seed, start + i) for i in range(self.batch_size)], "cpu")
+
+
+def _one_thread(_: int) -> None:
+    torch.set_num_threads(1)  # many loader processes, each with a thread per core, would oversubscribe the CPU
+
+
+def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: str, log_every: int = 100,
+          workers: int = 0, validate: bool = True, max_seconds: float | None = None) -> dict:
     from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
 
     torch.manual_seed(seed)
@@ -108,12 +128,27 @@ def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: s
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
-    val = batcher(make_split("validation", 256), device)
+    val_examples = make_split("validation", 512)
+    val = batcher(val_examples, device)
+    val_types = [ex.qtype for ex in val_examples]
+    loader = torch.utils.data.DataLoader(StepBatches(batcher, seed, steps, batch_size), batch_size=None,
+                                         num_workers=workers, prefetch_factor=4 if workers else None,
+                                         pin_memory=device.startswith("cuda"), worker_init_fn=_one_thread)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast(
         "cpu", enabled=False)
     t0, log = time.time(), []
-    for step in range(steps):
-        batch = batcher([make_example(seed, step * batch_size + i) for i in range(batch_size)], device)
+    warm_steps, t_warm = min(5, steps // 3), None
+    stopped_at = None
+    for step, batch in enumerate(loader):
+        if max_seconds is not None and time.time() - t0 > max_seconds:
+            stopped_at = step  # a safety stop (the schedule assumed `steps`): recorded, never silent
+            print(json.dumps({"stopped_early_at_step": step}), flush=True)
+            break
+        if step == warm_steps:
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t_warm = time.time()
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         with autocast:
             loss = model(**batch).loss
         opt.zero_grad(set_to_none=True)
@@ -121,13 +156,20 @@ def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: s
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if (step + 1) % log_every == 0 or step + 1 == steps:
+        if validate and ((step + 1) % log_every == 0 or step + 1 == steps):
             model.eval()
             with torch.no_grad(), autocast:
-                acc = answer_accuracy(model(**{k: v for k, v in val.items()}).logits, val["labels"])
+                ok = answer_correct(model(**val).logits, val["labels"]).tolist()
             model.train()
-            log.append({"step": step + 1, "loss": loss.item(), "val_exact": acc, "seconds": time.time() - t0})
+            per_type = {t: round(sum(o for o, q in zip(ok, val_types) if q == t) / val_types.count(t), 4)
+                        for t in QUESTION_TYPES}
+            log.append({"step": step + 1, "loss": round(loss.item(), 4), "val_exact": round(sum(ok) / len(ok), 4),
+                        "val_by_type": per_type, "seconds": round(time.time() - t0, 1)})
             print(json.dumps(log[-1]), flush=True)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    done = stopped_at if stopped_at is not None else steps
+    seconds_per_step = (time.time() - t_warm) / max(1, done - warm_steps) if t_warm else float("nan")
     model.eval()
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
@@ -138,22 +180,49 @@ def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: s
     tokenizer.save_pretrained(path)
     (path / "preprocessor_config.json").write_text(json.dumps(qwen_preprocessor_config(PIXELS, PIXELS), indent=1))
     meta = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "device": device,
-            "question_types": list(QUESTION_TYPES), "train_seconds": time.time() - t0, "log": log}
+            "question_types": list(QUESTION_TYPES), "train_seconds": time.time() - t0,
+            "seconds_per_step": seconds_per_step, "stopped_early_at_step": stopped_at, "log": log}
     (path / "training.json").write_text(json.dumps(meta, indent=1))
     return meta
+
+
+def steps_for_budget(seconds: float, batch_size: int, lr: float, seed: int, device: str, workers: int,
+                     probe_steps: int = 15) -> int:
+    """How many steps fit in `seconds` on this machine, from a short timed probe run (thrown away). The
+    chosen count is recorded in training.json: retraining with `--steps N` reproduces the run exactly."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        meta = train(tmp, probe_steps, batch_size, lr, seed, device, log_every=probe_steps, workers=workers,
+                     validate=False)
+    per_step = meta["seconds_per_step"]
+    steps = max(1, int(seconds / per_step))
+    print(json.dumps({"probe_seconds_per_step": round(per_step, 4), "steps": steps}), flush=True)
+    return steps
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="checkpoint folder to write")
     p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="instead of --steps: time a short probe, then train as many steps as fit in this many "
+                        "seconds (the count is printed and saved in training.json)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="safety stop: end training after this many seconds and save what there is (recorded)")
+    p.add_argument("--workers", type=int, default=min(8, max(0, (os.cpu_count() or 1) - 2)),
+                   help="data-loader processes drawing and preprocessing scenes (the data order does not depend on it)")
     args = p.parse_args(argv)
-    train(args.out, args.steps, args.batch_size, args.lr, args.seed, args.device, args.log_every)
+    if args.time_budget_s is not None:
+        args.steps = steps_for_budget(args.time_budget_s, args.batch_size, args.lr, args.seed, args.device,
+                                      args.workers)
+    train(args.out, args.steps, args.batch_size, args.lr, args.seed, args.device, args.log_every, args.workers,
+          max_seconds=args.max_seconds)
     return 0
 
 

@@ -55,6 +55,7 @@ class _Add:
     params: SamplingParams
     priority: int
     arrival_time: float | None
+    tier: str | None = None
 
 
 @dataclass
@@ -196,7 +197,7 @@ class AsyncEngine:
             self._check_alive()
             self._admission.submit(slot)
             with self._wake:
-                self._commands.append(_Add(stream, prompt, params, priority, arrival_time))
+                self._commands.append(_Add(stream, prompt, params, priority, arrival_time, tier))
                 self._wake.notify()
         finally:
             slot.release()
@@ -286,7 +287,7 @@ class AsyncEngine:
                 if rid in live:
                     raise InvalidRequestError(f"request_id {rid!r} is already in use")
                 self.engine.add_processed(cmd.processed, cmd.params, request_id=rid, priority=cmd.priority,
-                                          arrival_time=cmd.arrival_time)
+                                          arrival_time=cmd.arrival_time, group=cmd.tier)
             except InvalidRequestError as e:
                 deliveries.append((cmd.stream, e))
             except Exception as e:

@@ -99,7 +99,7 @@ class Engine:
 
     def add_processed(self, processed: ProcessedPrompt, sampling_params: SamplingParams | None = None,
                       request_id: str | None = None, priority: int = 0,
-                      arrival_time: float | None = None) -> Request:
+                      arrival_time: float | None = None, group: str | None = None) -> Request:
         params = sampling_params or self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
@@ -118,7 +118,7 @@ class Engine:
         req = Request(request_id=request_id, prompt_token_ids=processed.prompt_token_ids,
                       sampling_params=params, mm_items=processed.mm_items, priority=priority,
                       arrival_time=arrival_time if arrival_time is not None else processed.arrival_time,
-                      eos_token_ids=self.eos_token_ids, preprocess_s=processed.preprocess_s)
+                      eos_token_ids=self.eos_token_ids, preprocess_s=processed.preprocess_s, group=group)
         if not self.scheduler.can_ever_fit(req):
             raise InvalidRequestError(f"prompt of {n} tokens needs more KV cache than the engine has "
                                       f"({self.config.cache.num_blocks - 1} blocks of {self.config.cache.block_size})")

@@ -214,13 +214,23 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _StepState) -> None:
         bm = self.block_manager
-        while self._waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
-            req = self._waiting[0]
+        caps = self.config.max_running_per_group
+        running_in: dict[str | None, int] = {}
+        if caps:
+            for r in self._running:
+                running_in[r.group] = running_in.get(r.group, 0) + 1
+        i = 0  # the head of _waiting, past requests whose group is at its cap
+        while i < len(self._waiting) and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
+            req = self._waiting[i]
             if self._never_fits_now(req):
                 self._abort_for_capacity(req)
                 continue
             if req.request_id in step.preempted:
                 break  # evicted this very step; strict FCFS keeps everyone behind it waiting too
+            cap = caps.get(req.group) if req.group is not None else None
+            if cap is not None and running_in.get(req.group, 0) >= cap:
+                i += 1  # its group is full; the cap must not hold back other groups behind it
+                continue
             # Waiting requests (new or preempted) hold no blocks and have num_computed_tokens == 0.
             prefix = bm.find_cached_prefix(req)
             num_hit = len(prefix) * bm.block_size
@@ -229,7 +239,8 @@ class Scheduler:
             if (not bm.allocate_slots(req.request_id, target, prefix)
                     and not self._make_room(req, target, prefix, step)):
                 break  # no skipping ahead: later requests have equal or lower priority
-            self._waiting.pop(0)
+            self._waiting.pop(i)
+            running_in[req.group] = running_in.get(req.group, 0) + 1
             self._admitted(req, num_hit)
             req.status = RequestStatus.RUNNING
             bisect.insort(self._running, req, key=self._key)

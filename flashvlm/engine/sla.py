@@ -77,6 +77,18 @@ class TierConfig:
                 return tier
         raise ValueError(f"unknown SLA tier {name!r}; valid tiers: {', '.join(self.names)}")
 
+    def running_caps(self, max_num_seqs: int) -> dict[str, int]:
+        """Most running requests per tier, from `max_batch` and `share` (of max_num_seqs, at least 1);
+        tiers with neither are absent (no cap)."""
+        caps = {}
+        for tier in self.tiers:
+            limits = [tier.max_batch] if tier.max_batch is not None else []
+            if tier.share is not None:
+                limits.append(max(1, math.floor(tier.share * max_num_seqs)))
+            if limits:
+                caps[tier.name] = min(limits)
+        return caps
+
     def tightest_tpot_s(self, active: Iterable[str | Tier]) -> float | None:
         """The smallest TPOT target among the given tiers (names or Tiers), None if there are none."""
         targets = [(t if isinstance(t, Tier) else self.resolve(t)).tpot_s for t in active]
@@ -187,15 +199,18 @@ class AdaptiveBudgetController:
     near 0.75x, inside the band, rather than just under the trigger. After any change the window restarts and
     `cooldown_steps` must pass, so each decision is made on latencies measured under the current budget.
 
-    The budget stays in [min_budget, max_budget] and never below the number of decoding sequences (capped at
-    max_budget): a budget smaller than the batch would starve running requests of their next token.
+    The budget stays in [min_budget, max_budget] and never below the number of decoding sequences plus
+    `min_prefill_tokens` (capped at max_budget): a budget smaller than the batch would starve running requests of
+    their next token, and one with no room for prefill would stop admitting anyone, so under overload every queue
+    (gold's too) would grow without bound. Measured on the H200 (docs/BENCHMARKS.md, 2026-11-29): without that
+    allowance the budget fell to the batch size under a 40 req/s overload and gold waited 9 s for a first token.
     Not thread-safe: call from the engine's step loop.
     """
 
     def __init__(self, initial_budget: int, min_budget: int, max_budget: int, tiers: TierConfig | None = None, *,
                  window: int = 32, min_samples: int = 8, cooldown_steps: int = 8, percentile: float = 99.0,
                  shrink_above: float = 1.5, grow_below: float = 0.7, shrink_factor: float = 0.5,
-                 grow_step: int = 256) -> None:
+                 grow_step: int = 256, min_prefill_tokens: int = 512) -> None:
         if not 1 <= min_budget <= max_budget:
             raise ValueError(f"need 1 <= min_budget <= max_budget, got {min_budget}, {max_budget}")
         if not 0 < grow_below < shrink_above:
@@ -204,6 +219,9 @@ class AdaptiveBudgetController:
             raise ValueError("need 0 < shrink_factor < 1 and grow_step >= 1")
         if not 1 <= min_samples <= window:
             raise ValueError(f"need 1 <= min_samples <= window, got {min_samples}, {window}")
+        if min_prefill_tokens < 0:
+            raise ValueError(f"min_prefill_tokens must be >= 0, got {min_prefill_tokens}")
+        self.min_prefill_tokens = min_prefill_tokens
         self.tiers = tiers if tiers is not None else load_tiers(None)
         self.min_budget = min_budget
         self.max_budget = max_budget
@@ -228,7 +246,7 @@ class AdaptiveBudgetController:
         """Feed one finished step; returns the budget for the next one. `active_tiers`: tiers with requests in
         the running batch (names or Tiers; an unknown name raises ValueError, since admission validated them)."""
         self._steps_since_change += 1
-        floor = max(self.min_budget, min(num_decode_seqs, self.max_budget))
+        floor = max(self.min_budget, min(num_decode_seqs + self.min_prefill_tokens, self.max_budget))
         self._budget = max(self._budget, floor)
         target = self.tiers.tightest_tpot_s(active_tiers)
         self.last_target_s = target

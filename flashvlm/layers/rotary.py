@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flashvlm.kernels.dispatch import use_triton
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -37,11 +39,20 @@ def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: flo
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (tokens, heads, head_dim); cos/sin: (tokens, head_dim). Out of place.
-
-    Plain torch on every device: a Triton version matched in float32 but not bit for bit in bf16 on the H200
-    (24% of elements off by an ulp, cause not found), and under CUDA graphs its launch savings are small."""
+    """x: (tokens, heads, head_dim); cos/sin: (tokens, head_dim). Out of place, plain torch."""
     return apply_rotary_reference(x, cos, sin)
+
+
+def apply_rotary_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int, *,
+                     enabled: bool | None = None, force: bool = False) -> bool:
+    """Rotate the first `num_heads` heads of each row of the packed projection `qkv` in place (queries then
+    keys) with the fused Triton kernel. Returns False, touching nothing, where the kernel does not run."""
+    if not use_triton(qkv, enabled, force) or qkv.dim() != 2 or qkv.stride(1) != 1:
+        return False
+    from flashvlm.kernels.rotary import rotary_qk_inplace  # lazy: Triton loads on the first kernel call
+
+    rotary_qk_inplace(qkv, cos, sin, num_heads, head_dim)
+    return True
 
 
 def _inv_freq(head_dim: int, rope_parameters: dict) -> tuple[torch.Tensor, float]:

@@ -9,7 +9,7 @@ from flashvlm.layers.attention import ForwardContext, PagedAttention
 from flashvlm.layers.linear import MergedLinear
 from flashvlm.layers.mlp import GatedMLP
 from flashvlm.layers.norm import RMSNorm
-from flashvlm.layers.rotary import MRotaryEmbedding, RotaryEmbedding, apply_rotary
+from flashvlm.layers.rotary import MRotaryEmbedding, RotaryEmbedding, apply_rotary, apply_rotary_qk_
 from flashvlm.models.interfaces import KVCacheSpec
 
 # checkpoint projection name -> (packed module name, shard index)
@@ -32,13 +32,22 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False) and qkv_bias)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
+        self.use_triton_kernels = True
+        """Fused rotary kernel on CUDA tensors; the engine sets it from EngineConfig.kernel_backend."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj.split_output(self.qkv_proj(x))
-        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v, ctx))
+        qkv = self.qkv_proj(x)
+        # One launch rotates queries and keys in place (within an ulp of the torch path); q and k stay strided
+        # views of the packed output, which the attention kernels read directly.
+        if apply_rotary_qk_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim,
+                            enabled=self.use_triton_kernels):
+            q, k, v = self.qkv_proj.split_output(qkv)
+        else:
+            q, k, v = self.qkv_proj.split_output(qkv)
+            q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin).reshape(n, -1)
+            k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin).reshape(n, -1)
+        return self.o_proj(self.attn(q, k, v, ctx))
 
 
 class DecoderLayer(nn.Module):

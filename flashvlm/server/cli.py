@@ -99,7 +99,10 @@ def run(args: argparse.Namespace) -> int:
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     if args.model is None:
         print("note: no --model given; serving the embedded tiny model with RANDOM weights", file=sys.stderr)
-    llm = LLM(args.model, **_engine_kwargs(args))
+    kwargs = _engine_kwargs(args)
+    if tiers is not None:  # each tier's share and max_batch bound its running requests in the scheduler
+        kwargs["max_running_per_group"] = tiers.running_caps(kwargs.get("max_num_seqs", 64))
+    llm = LLM(args.model, **kwargs)
     sched = llm.engine.config.scheduler
     adaptive = args.adaptive_token_budget if args.adaptive_token_budget is not None else (
         args.sla_config is not None and not no_tiers)

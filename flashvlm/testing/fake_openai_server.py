@@ -52,6 +52,8 @@ class FakeOpenAIServer:
         self.arrival_times: list[float] = []
         """time.time() at which each body in `received` was read."""
         self.images_per_request: list[int] = []
+        self.tier_headers: list[str | None] = []
+        """The x-sla-tier header of each body in `received`."""
         self.in_flight = 0
         self.max_in_flight = 0
 
@@ -91,9 +93,10 @@ class FakeOpenAIServer:
 
     # Called from handler threads.
 
-    def _admit(self, body: dict[str, Any], num_images: int) -> int:
+    def _admit(self, body: dict[str, Any], num_images: int, tier: str | None = None) -> int:
         with self._lock:
             self.received.append(body)
+            self.tier_headers.append(tier)
             self.arrival_times.append(time.time())
             self.images_per_request.append(num_images)
             self.in_flight += 1
@@ -167,7 +170,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         chat = path == "/v1/chat/completions"
         owner = self.server.owner
-        index = owner._admit(body, _count_images(body) if chat else 0)
+        index = owner._admit(body, _count_images(body) if chat else 0, self.headers.get("x-sla-tier"))
         released = False
 
         def release() -> None:

@@ -66,6 +66,34 @@ def test_serve_against_openai_streaming_server(tmp_path) -> None:
     assert s["num_success"] == 5 and s["tpot_ms"]["p50"] is not None
 
 
+def test_serve_with_a_tier_mix_reports_each_tier(tmp_path) -> None:
+    with FakeOpenAIServer(tokens_per_request=4) as server:
+        doc = _run(["serve", "--base-url", server.base_url, "--num-requests", "12", "--image-size", "none",
+                    "--output-tokens", "4", "--tier", "gold:0.25,bronze:0.75", "--seed", "3", "--no-progress"],
+                   tmp_path)
+        sent = list(server.tier_headers)
+    labels = [r["label"] for r in doc["runs"]]
+    assert labels == ["default", "default[gold]", "default[bronze]"]
+    assert set(sent) == {"gold", "bronze"}
+    counts = {r["label"]: r["summary"]["num_success"] for r in doc["runs"]}
+    assert counts["default"] == 12 and counts["default[gold]"] == sent.count("gold")
+    assert counts["default[gold]"] + counts["default[bronze]"] == 12
+    by_request = {rec["request_id"]: rec["tier"] for rec in doc["runs"][0]["records"]}
+    assert sorted(by_request.values()) == sorted(sent)
+
+
+def test_tier_mix_parsing() -> None:
+    from flashvlm.bench.workloads import assign_tiers, parse_tier_mix
+
+    assert parse_tier_mix("gold") == [("gold", 1.0)]
+    mix = parse_tier_mix("gold:0.2, bronze:0.8")
+    assert mix == [("gold", 0.2), ("bronze", 0.8)]
+    assert assign_tiers(50, mix, 1) == assign_tiers(50, mix, 1) != assign_tiers(50, mix, 2)
+    for bad in ("gold:0.5,bronze:0.6", "gold:x", ":0.5", "gold:0.5,gold:0.5", "gold:0"):
+        with pytest.raises(ValueError, match="--tier"):
+            parse_tier_mix(bad)
+
+
 def test_compare_flags_regression(tmp_path, capsys) -> None:
     doc = _run(["latency", *SMALL], tmp_path / "a")
     slower = json.loads(json.dumps(doc))

@@ -21,11 +21,14 @@ from flashvlm.kernels import dispatch  # noqa: E402
 from flashvlm.kernels import rmsnorm as rmsnorm_mod  # noqa: E402
 from flashvlm.kernels.activation import silu_and_mul_reference, silu_and_mul_triton  # noqa: E402
 from flashvlm.kernels.rmsnorm import rms_norm_reference, rmsnorm_triton  # noqa: E402
+from flashvlm.kernels.rotary import rotary_qk_inplace  # noqa: E402
 from flashvlm.layers.activation import SiluAndMul, silu_and_mul  # noqa: E402
 from flashvlm.layers.norm import RMSNorm, fused_add_rmsnorm  # noqa: E402
 from flashvlm.layers.rotary import (  # noqa: E402
     MRotaryEmbedding,
+    RotaryEmbedding,
     apply_rotary,
+    apply_rotary_qk_,
 )
 
 # CPU tensors can only run the kernels if this process imported them under the interpreter; CUDA cases run
@@ -120,6 +123,50 @@ def test_silu_and_mul(device, dtype, inter):
     assert_matches(out, silu_and_mul_reference(x))
     x3 = torch.randn(2, 3, 2 * inter, dtype=dtype, device=device)
     assert_matches(silu_and_mul(x3, force=True), silu_and_mul_reference(x3))
+
+
+# --- rotary (queries and keys in place on the packed QKV output) ----------------------------------------------
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim,mrope", [
+    (7, 4, 2, 16, [2, 3, 3]),       # tiny Qwen2-VL shape, M-RoPE
+    (3, 28, 4, 128, [16, 24, 24]),  # Qwen2-VL-7B: 32 heads rotated per row, more than one head block
+    (5, 3, 1, 24, None),            # 1-D RoPE, head counts and half dim (12) that are not powers of two
+])
+def test_rotary_qk(device, dtype, tokens, q_heads, kv_heads, head_dim, mrope):
+    q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, dtype=dtype, device=device) * 2
+    if mrope is None:
+        rope = RotaryEmbedding(head_dim, {"rope_theta": 10000.0}).to(device)
+        positions = torch.randint(0, 4000, (tokens,), device=device)
+    else:
+        rope = MRotaryEmbedding(head_dim, {"mrope_section": mrope}).to(device)
+        positions = torch.randint(0, 4000, (3, tokens), device=device)
+    cos, sin = rope(positions, dtype)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    ref_q = apply_rotary(q.reshape(tokens, q_heads, head_dim), cos, sin).reshape(tokens, -1)
+    ref_k = apply_rotary(k.reshape(tokens, kv_heads, head_dim), cos, sin).reshape(tokens, -1)
+    ref_v = v.clone()
+    rotary_qk_inplace(qkv, cos, sin, q_heads + kv_heads, head_dim)
+    # Half precision: the kernel rounds where torch rounds. The interpreter (CPU) is then bit-identical; compiled on
+    # the H200 about a quarter of the elements land one ulp away (2026-11-29), which assert_matches bounds.
+    frac = 0.0 if device == "cpu" and dtype != torch.float32 else 0.3
+    assert_matches(qkv[:, :q_size], ref_q, max_mismatch_frac=frac)
+    assert_matches(qkv[:, q_size:q_size + kv_size], ref_k, max_mismatch_frac=frac)
+    assert torch.equal(qkv[:, q_size + kv_size:], ref_v), "values must stay untouched"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rotary_qk_dispatch_and_bad_shapes(device):
+    qkv = torch.randn(4, 6 * 16, device=device)
+    cos, sin = torch.randn(4, 16, device=device), torch.randn(4, 16, device=device)
+    assert apply_rotary_qk_(qkv, cos, sin, 4, 16, force=True)
+    assert not apply_rotary_qk_(qkv, cos, sin, 4, 16, enabled=False)  # the layer's own switch wins
+    with pytest.raises(ValueError, match="cos/sin"):
+        rotary_qk_inplace(qkv, cos[:3], sin[:3], 4, 16)
+    with pytest.raises(ValueError, match="qk must be"):
+        rotary_qk_inplace(qkv, cos, sin, 7, 16)
 
 
 # --- dispatch policy -------------------------------------------------------------------------------------------

@@ -176,7 +176,17 @@ def test_budget_controller_steers_the_scheduler_and_shutdown_refuses_work(tiny_c
                                                  SamplingParams(max_tokens=4, ignore_eos=True), tier=tier)]
         return len(outs[-1].token_ids)
 
+    groups: list[str | None] = []
+    add = llm.engine.add_processed
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        req = add(*args, **kwargs)
+        groups.append(req.group)
+        return req
+
+    llm.engine.add_processed = spy  # type: ignore[method-assign]
     assert asyncio.run(run("gold")) == 4
+    assert groups == ["gold"]  # the tier reaches the scheduler, whose per-group caps use it
     assert llm.engine.config.scheduler.max_num_batched_tokens == 512
     controller.budget = 8
     assert asyncio.run(run("gold")) == 4

@@ -107,7 +107,10 @@ def test_halves_on_sustained_overload_and_stops_at_min() -> None:
     budgets = _feed(ctl, 0.1, 8)  # 100 ms steps vs gold's 50 ms TPOT: 2x > 1.5x
     assert budgets[:7] == [4096] * 7 and budgets[7] == 2048  # decides once min_samples are in
     _feed(ctl, 0.1, 200)
-    assert ctl.budget == 256  # clamped at min_budget
+    assert ctl.budget == 16 + 512  # the 16 decoding sequences plus the prefill allowance
+    no_allowance = _ctl(min_prefill_tokens=0)
+    _feed(no_allowance, 0.1, 200)
+    assert no_allowance.budget == 256  # clamped at min_budget
     assert ctl.last_p99_s == pytest.approx(0.1)
     assert ctl.last_target_s == pytest.approx(0.05)
 
@@ -159,7 +162,9 @@ def test_steps_without_decode_or_tiers_are_ignored() -> None:
 def test_budget_never_starves_running_decodes() -> None:
     ctl = AdaptiveBudgetController(300, 256, 8192, TIERS, min_samples=2, cooldown_steps=0)
     _feed(ctl, 1.0, 10, decode=400)  # overloaded, but 400 sequences each need a token per step
-    assert ctl.budget == 400
+    assert ctl.budget == 400 + 512  # and admission keeps a prefill allowance, so no queue grows without bound
+    _feed(ctl, 1.0, 10, decode=8000)
+    assert ctl.budget == 8192  # never past max_budget
 
 
 def test_invalid_controller_arguments() -> None:
@@ -169,6 +174,8 @@ def test_invalid_controller_arguments() -> None:
         AdaptiveBudgetController(100, 1, 1000, TIERS, grow_below=2.0, shrink_above=1.5)
     with pytest.raises(ValueError):
         _ctl().update(0.1, 1, ["platinum"])
+    with pytest.raises(ValueError, match="min_prefill_tokens"):
+        _ctl(min_prefill_tokens=-1)
     assert isinstance(AdaptiveBudgetController(100, 1, 1000).tiers, TierConfig)  # packaged default
 
 

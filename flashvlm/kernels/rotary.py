@@ -1,0 +1,72 @@
+"""Rotary embedding of queries and keys in one launch, in place on the packed QKV projection output.
+
+The torch path (`flashvlm.layers.rotary.apply_rotary_reference`) costs five kernels for q and five for k per
+layer; under CUDA graphs those small launches, not their bytes, are what a decode step pays for. This kernel
+rounds where torch rounds (`x * cos` and `rotate_half(x) * sin` each to the activation dtype, then their sum).
+Under Triton's interpreter that is bit-identical to the reference in fp16; compiled on the H200 about a quarter
+of the bf16/fp16 elements land one ulp away (measured 2026-11-29; the compiled arithmetic differs somewhere we
+have not isolated), which the tests bound.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashvlm.kernels.dispatch import next_power_of_2
+from flashvlm.layers.rotary import apply_rotary_reference
+
+__all__ = ["apply_rotary_reference", "rotary_qk_inplace"]
+
+
+@triton.jit
+def _rotary_qk_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_ct, stride_st, num_heads,
+                      HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, BLOCK_D)
+    d_mask = offs < HALF
+    mask = (heads[:, None] < num_heads) & d_mask[None, :]
+    base = x_ptr + tok * stride_xt + heads[:, None] * (2 * HALF)
+    ty = x_ptr.dtype.element_ty
+    x1 = tl.load(base + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    # cos/sin repeat their first half (emb = cat(freqs, freqs)), but load both halves: a scaled or
+    # user-given table need not.
+    c1 = tl.load(cos_ptr + tok * stride_ct + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + tok * stride_ct + HALF + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + tok * stride_st + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + tok * stride_st + HALF + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    # out = x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1); round as torch does.
+    lo = (x1 * c1).to(ty).to(tl.float32) + (-x2 * s1).to(ty).to(tl.float32)
+    hi = (x2 * c2).to(ty).to(tl.float32) + (x1 * s2).to(ty).to(tl.float32)
+    tl.store(base + offs[None, :], lo.to(ty), mask=mask)
+    tl.store(base + HALF + offs[None, :], hi.to(ty), mask=mask)
+
+
+def rotary_qk_inplace(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                      head_dim: int) -> None:
+    """Rotate the first `num_heads` heads of each row of `qk` in place.
+
+    qk: (tokens, width) with width >= num_heads * head_dim and a contiguous last dim: the packed QKV output,
+    whose query and key heads lie side by side at the start of each row (values after them stay untouched).
+    cos/sin: (tokens, head_dim) in the activation dtype, as `RotaryEmbedding` returns them.
+    """
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
+    if qk.dim() != 2 or qk.stride(1) != 1 or qk.shape[1] < num_heads * head_dim:
+        raise ValueError(f"qk must be (tokens, >= {num_heads * head_dim}) with a contiguous last dim")
+    tokens = qk.shape[0]
+    if cos.shape != (tokens, head_dim) or sin.shape != (tokens, head_dim):
+        raise ValueError(f"cos/sin must be ({tokens}, {head_dim}), got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError("cos/sin need a contiguous last dim")
+    if tokens == 0 or num_heads == 0:
+        return
+    half = head_dim // 2
+    block_d = next_power_of_2(half)
+    block_h = min(next_power_of_2(num_heads), max(1, 4096 // block_d))
+    grid = (tokens, triton.cdiv(num_heads, block_h))
+    _rotary_qk_kernel[grid](qk, cos, sin, qk.stride(0), cos.stride(0), sin.stride(0), num_heads,
+                            HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issues 3 and 4 on the GPU machine, most needed first: throughput at 448x448 and 1344x1344 with the transformers
+# baseline, batch-1 latency at 1008x756 with the baseline, a profile of where decode and TTFT time goes, 512
+# requests offline, and the bf16 parity/kernel check. Results: $OUT/bench_out.tgz, $OUT/*.json, $OUT/run.log.
+set -o pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" bench_out
+common="--benchmark-model qwen2-vl-7b --text-tokens 64 --output-tokens 128 --max-model-len 4096 --no-progress"
+bench() {  # name args...
+  local name=$1; shift
+  # shellcheck disable=SC2086
+  python3 -m flashvlm.cli bench "$@" $common --out "bench_out/$name" 2>&1 | grep -v "incorrect regex" | tee -a "$OUT/run.log"
+  tar czf "$OUT/bench_out.tgz" bench_out
+}
+for size in ${TPUT_SIZES-448x448 1344x1344}; do
+  bench "tput_$size" throughput --image-size "$size" --num-requests 32 --max-num-seqs 32 \
+    --max-num-batched-tokens 4096 --gpu-memory-utilization 0.5 --baseline transformers
+done
+[ -z "${TPUT_ONLY:-}" ] || exit 0
+bench lat_1008x756 latency --image-size 1008x756 --num-requests 5 --max-num-seqs 16 --max-num-batched-tokens 4096 \
+  --gpu-memory-utilization 0.5 --baseline transformers
+python3 scripts/gpu_profile.py 2>&1 | grep -v "incorrect regex" | tee -a "$OUT/run.log"
+bench tput512_1008x756 throughput --image-size 1008x756 --num-requests 512 --max-num-seqs 256 \
+  --max-num-batched-tokens 8192 --gpu-memory-utilization 0.9
+python3 scripts/gpu_check.py 2>&1 | grep -v "incorrect regex" | tee -a "$OUT/run.log"

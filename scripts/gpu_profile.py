@@ -1,0 +1,93 @@
+"""Where a batch-1 request's time goes on the GPU (issue 4): decode graph replay vs the measured TPOT (the rest is
+host work per step), the kernels of one decode step, and the kernels of the ViT + prefill for one 1008x756 image.
+
+    PYTHONPATH=. python scripts/gpu_profile.py        # GPU only; tables on stdout, JSON in $OUT/profile.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flashvlm import LLM, SamplingParams
+from flashvlm.bench.model_configs import write_benchmark_model
+
+PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def top_kernels(prof, n: int = 18) -> list[dict]:
+    rows = []
+    for evt in prof.key_averages():
+        t = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0)
+        if t > 0 and evt.device_type == torch.autograd.DeviceType.CUDA:
+            rows.append({"kernel": evt.key[:90], "calls": evt.count, "total_us": t})
+    rows.sort(key=lambda r: -r["total_us"])
+    total = sum(r["total_us"] for r in rows)
+    calls = sum(r["calls"] for r in rows)
+    for r in rows[:n]:
+        print(f"  {r['total_us']:9.0f} us {r['calls']:6d}x  {r['kernel']}")
+    print(f"  {total:9.0f} us {calls:6d}x  (all kernels)")
+    return [{"total_us": total, "calls": calls}] + rows[:n]
+
+
+def main() -> None:
+    out_dir = os.environ.get("OUT") or tempfile.mkdtemp()
+    res: dict = {}
+    path = write_benchmark_model("qwen2-vl-7b", tempfile.mkdtemp())
+    llm = LLM(str(path), load_format="dummy", dtype="bfloat16", max_num_seqs=8, gpu_memory_utilization=0.5,
+              max_model_len=4096, max_num_batched_tokens=4096)
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (756, 1008, 3), dtype=np.uint8)
+    words = " ".join(f"w{i}" for i in rng.integers(1000, 9000, 64))
+    prompt = {"prompt": PLACEHOLDER + words, "images": [image]}
+    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
+    tpots = []
+    for k in range(3):
+        img = rng.integers(0, 256, (756, 1008, 3), dtype=np.uint8)  # a fresh picture: no cache hits
+        out = llm.generate({"prompt": PLACEHOLDER + words + f" w{k}", "images": [img]}, params)[0]
+        st = out.stages
+        tpots.append((st["decode"] + st["detokenize"]) / (len(out.token_ids) - 1) * 1e3)  # vLLM's TPOT
+        res.setdefault("stages_ms", []).append({k: round(v * 1e3, 2) for k, v in st.items()})
+    res["tpot_ms"] = float(np.median(tpots))
+
+    graphs = llm.engine.runner.graphs
+    graphs.seq_lens[:1].fill_(1100)  # a decode at about this request's length
+    graph = graphs.graphs[1]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(10):
+        graph.replay()
+    start.record()
+    for _ in range(200):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    res["graph_replay_ms"] = start.elapsed_time(end) / 200
+    res["host_ms_per_step"] = res["tpot_ms"] - res["graph_replay_ms"]
+    print(f"TPOT {res['tpot_ms']:.3f} ms = decode graph replay {res['graph_replay_ms']:.3f} ms "
+          f"+ {res['host_ms_per_step']:.3f} ms not overlapped (host work per step)", flush=True)
+
+    print("kernels of one decode step (the graph's body run eagerly, batch 1):")
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graphs._forward(1)
+        torch.cuda.synchronize()
+    res["decode_kernels"] = top_kernels(prof)
+
+    print("kernels of vision + prefill (one fresh 1008x756 image + 64 words, 1 output token):")
+    img = rng.integers(0, 256, (756, 1008, 3), dtype=np.uint8)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate({"prompt": PLACEHOLDER + words, "images": [img]},
+                     SamplingParams(temperature=0.0, max_tokens=1))
+        torch.cuda.synchronize()
+    res["prefill_kernels"] = top_kernels(prof, 25)
+    with open(os.path.join(out_dir, "profile.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Issue 6 on the GPU machine: the same overload, served first by FCFS (scripts/sla_fcfs_tiers.yaml: the tiers'
+# labels, one priority) and then by the packaged SLA tiers, measured by `flashvlm bench serve` with a gold/bronze
+# mix. Needs fastapi/uvicorn/pydantic: carry .whl (see the device README). Results under $OUT.
+# Env: RATE (req/s), NUM (requests), MODEL_ARGS (default: the Qwen2-VL-7B config with dummy weights), SIZE.
+set -o pipefail
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" bench_out
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site || exit 1
+fi
+if [ -z "${MODEL_ARGS:-}" ]; then
+  python3 -c "from flashvlm.bench.model_configs import write_benchmark_model as w; w('qwen2-vl-7b', '/tmp/q7b')"
+  MODEL_ARGS="--model /tmp/q7b --load-format dummy --dtype bfloat16 --gpu-memory-utilization 0.6"
+fi
+PORT=${PORT:-8011}
+serve_and_measure() {  # name sla-config-file
+  # shellcheck disable=SC2086
+  python3 -m flashvlm.cli serve $MODEL_ARGS --served-model-name bench --port "$PORT" --max-num-seqs "${SEQS:-32}" \
+    --max-num-batched-tokens 4096 --max-model-len 4096 --sla-config "$2" --max-waiting-requests 2000 \
+    --disable-log-requests --uvicorn-log-level warning > "$OUT/server_$1.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
+    kill -0 $pid 2> /dev/null || { echo "server $1 died"; tail -20 "$OUT/server_$1.log"; return 1; }
+    sleep 0.5
+  done
+  python3 -m flashvlm.cli bench serve --base-url "http://127.0.0.1:$PORT" --served-model bench \
+    --num-requests "${NUM:-400}" --request-rate "${RATE:-40}" --image-size "${SIZE:-448x448}" --text-tokens 64 \
+    --output-tokens "${OUTPUT_TOKENS:-64}" --tier gold:0.2,bronze:0.8 --seed 0 --no-progress \
+    --goodput ttft:500 tpot:50 --out "bench_out/sla_$1" 2>&1 | grep -v "incorrect regex"
+  curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^flashvlm:(num_preemptions|request_success)' > "$OUT/metrics_$1.txt"
+  kill $pid; wait $pid 2> /dev/null
+}
+serve_and_measure fcfs scripts/sla_fcfs_tiers.yaml
+serve_and_measure tiered flashvlm/configs/sla_tiers.yaml
+tar czf "$OUT/sla_out.tgz" bench_out/sla_*

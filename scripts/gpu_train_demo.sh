@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Issue 7 on the GPU machine: train the embedded demo model within a time budget, evaluate it with our engine,
+# and bring the checkpoint back as $OUT/demo.tgz. TRAIN_BUDGET_S: training seconds (the probe picks --steps).
+set -o pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+# The fused rotary kernel's bf16 bit-exactness needs the compiled kernel (the CPU interpreter truncates bf16).
+python3 -m pytest -q tests/kernels/test_fused_kernels.py -k rotary -p no:cacheprovider 2>&1 | grep -E "^E  |Mismatch|not bit|passed|failed" | head -12
+python3 -m flashvlm.demo.train --out "$OUT/demo" --time-budget-s "${TRAIN_BUDGET_S:-380}" --max-seconds "$(( ${TRAIN_BUDGET_S:-380} * 3 / 2 ))" --batch-size 64 \
+  --log-every 250 --workers 12 --device cuda 2>&1 | tee "$OUT/train.log"
+python3 -m flashvlm.cli eval --model "$OUT/demo" --split test --num-examples 1000 --batch-size 250 \
+  --json "$OUT/eval_test.json" 2>&1 | tail -7
+# The same on the plain-torch reference path: the fast path must not cost accuracy.
+python3 -m flashvlm.cli eval --model "$OUT/demo" --split test --num-examples 1000 --batch-size 250 \
+  --attention-backend reference --kernel-backend torch --enforce-eager --json "$OUT/eval_ref.json" 2>&1 | tail -7
+tar czf "$OUT/demo.tgz" -C "$OUT" demo && rm -rf "$OUT/demo"
+ls -la "$OUT"

@@ -1,0 +1,75 @@
+"""Per-group running caps (the SLA tiers' share and max_batch) in the scheduler, and the caps the tiers give."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashvlm.cache.block_manager import BlockManager
+from flashvlm.cache.encoder_cache import EncoderCacheManager
+from flashvlm.config import ConfigError, EngineConfig, ModelConfig, SchedulerConfig
+from flashvlm.engine.scheduler import Scheduler
+from flashvlm.engine.sla import parse_tiers
+from flashvlm.request import Request, SamplingParams
+
+
+def make(caps: dict[str, int], max_num_seqs: int = 6) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
+                                     max_running_per_group=caps),
+                     BlockManager(256, 4), EncoderCacheManager(0))
+
+
+def req(rid: str, group: str | None, priority: int = 0, arrival: float = 0.0) -> Request:
+    return Request(rid, [11, 12, 13, 14, 15], SamplingParams(max_tokens=3), priority=priority, arrival_time=arrival,
+                   group=group)
+
+
+def finish_step(sched: Scheduler) -> list[str]:
+    out = sched.schedule()
+    sched.update(out, {s.request.request_id: 7 for s in out.scheduled if s.samples})
+    return [s.request.request_id for s in out.scheduled]
+
+
+def test_a_full_group_waits_while_other_groups_behind_it_are_admitted() -> None:
+    sched = make({"bronze": 2})
+    # Bronze arrived first (same priority): FCFS alone would fill the batch with it.
+    for i in range(5):
+        sched.add_request(req(f"b{i}", "bronze", arrival=i))
+    for i in range(3):
+        sched.add_request(req(f"g{i}", "gold", arrival=10 + i))
+    sched.add_request(req("u", None, arrival=20))
+    first = finish_step(sched)
+    assert first == ["b0", "b1", "g0", "g1", "g2", "u"]
+    running = [r for r in sched.requests.values() if r.status.name == "RUNNING"]
+    assert sum(r.group == "bronze" for r in running) == 2
+    # As bronze requests finish, the next bronze ones take their places, never more than two at once.
+    seen_max = 0
+    while sched.has_unfinished():
+        finish_step(sched)
+        running = [r for r in sched.requests.values() if r.status.name == "RUNNING"]
+        seen_max = max(seen_max, sum(r.group == "bronze" for r in running))
+    assert seen_max <= 2
+    assert sched.num_waiting == 0
+
+
+def test_no_caps_is_plain_fcfs() -> None:
+    sched = make({})
+    for i in range(4):
+        sched.add_request(req(f"b{i}", "bronze", arrival=i))
+    assert finish_step(sched) == ["b0", "b1", "b2", "b3"]
+
+
+def test_tier_caps_from_share_and_max_batch() -> None:
+    tiers = parse_tiers({"tiers": {
+        "gold": {"priority": 0, "ttft_p99_ms": 100, "tpot_p99_ms": 20},
+        "silver": {"priority": 1, "ttft_p99_ms": 500, "tpot_p99_ms": 50, "max_batch": 8},
+        "bronze": {"priority": 2, "ttft_p99_ms": 5000, "tpot_p99_ms": 200, "share": 0.25, "max_batch": 20},
+        "tiny": {"priority": 3, "ttft_p99_ms": 5000, "tpot_p99_ms": 200, "share": 0.001}}})
+    assert tiers.running_caps(64) == {"silver": 8, "bronze": 16, "tiny": 1}
+    assert tiers.running_caps(200) == {"silver": 8, "bronze": 20, "tiny": 1}
+
+
+def test_caps_are_validated() -> None:
+    cfg = EngineConfig(model=ModelConfig(model="x"), device="cpu",
+                       scheduler=SchedulerConfig(max_running_per_group={"bronze": 0}))
+    with pytest.raises(ConfigError, match="max_running_per_group"):
+        cfg.validate()
