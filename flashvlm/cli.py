@@ -43,6 +43,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="rescale/normalize/patchify images on the GPU (queued requests' pixels then use GPU memory)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (decode steps are captured only with --attention-backend triton on CUDA)")
+    g.add_argument("--prefill-graph-max-tokens", type=int, default=512,
+                   help="prefill, cached-prefix and mixed steps up to this many tokens also replay CUDA graphs "
+                        "(0: decode steps only)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of repeated prefixes, images included (default: on)")
     g.add_argument("--encoder-cache-tokens", type=int, default=8192,
@@ -111,6 +114,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, load_format=args.load_format, seed=args.seed,
                 attention_backend=args.attention_backend, kernel_backend=args.kernel_backend,
                 enforce_eager=args.enforce_eager, preprocess_on_gpu=args.preprocess_on_gpu,
+                prefill_graph_max_tokens=args.prefill_graph_max_tokens,
                 enable_prefix_caching=args.enable_prefix_caching,
                 encoder_cache_tokens=args.encoder_cache_tokens)
 

@@ -27,7 +27,8 @@ class LLM:
                  seed: int = 0, load_format: str = "auto", attention_backend: str = "auto",
                  kernel_backend: str = "triton", enforce_eager: bool = False, preprocess_on_gpu: bool = False,
                  enable_prefix_caching: bool = True,
-                 encoder_cache_tokens: int = 8192, max_running_per_group: dict[str, int] | None = None) -> None:
+                 encoder_cache_tokens: int = 8192, max_running_per_group: dict[str, int] | None = None,
+                 prefill_graph_max_tokens: int = 512) -> None:
         if model is None:
             from flashvlm.models.default import default_model_path
 
@@ -41,7 +42,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_running_per_group=dict(max_running_per_group or {})),
             device=device, attention_backend=attention_backend, kernel_backend=kernel_backend,
-            enforce_eager=enforce_eager, preprocess_on_gpu=preprocess_on_gpu)
+            enforce_eager=enforce_eager, preprocess_on_gpu=preprocess_on_gpu,
+            prefill_graph_max_tokens=prefill_graph_max_tokens)
         self.engine = Engine(config)
 
     def get_tokenizer(self) -> Any:

@@ -18,8 +18,9 @@ for size in ${TPUT_SIZES-448x448 1344x1344}; do
     --max-num-batched-tokens 4096 --gpu-memory-utilization 0.5 --baseline transformers
 done
 [ -z "${TPUT_ONLY:-}" ] || exit 0
-bench lat_1008x756 latency --image-size 1008x756 --num-requests 5 --max-num-seqs 16 --max-num-batched-tokens 4096 \
-  --gpu-memory-utilization 0.5 --baseline transformers
+bench lat_1008x756 sweep --sweep-scenario latency --image-size 1008x756 --num-requests 5 --max-num-seqs 16 \
+  --max-num-batched-tokens 4096 --gpu-memory-utilization 0.5 --baseline transformers \
+  --configs '[{"name": "decode-graphs-only", "prefill_graph_max_tokens": 0}, {"name": "step-graphs"}]' 
 python3 scripts/gpu_profile.py 2>&1 | grep -v "incorrect regex" | tee -a "$OUT/run.log"
 bench tput512_1008x756 throughput --image-size 1008x756 --num-requests 512 --max-num-seqs 256 \
   --max-num-batched-tokens 8192 --gpu-memory-utilization 0.9

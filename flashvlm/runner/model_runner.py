@@ -15,8 +15,9 @@ from flashvlm.layers.attention import ForwardContext
 from flashvlm.models.interfaces import VLModel
 from flashvlm.request import MMItem, Request
 from flashvlm.runner.cuda_graph import DecodeGraphs
-from flashvlm.runner.inputs import PositionStore, build_step_inputs, single_sequence_context
+from flashvlm.runner.inputs import PositionStore, StepInputs, build_step_inputs, single_sequence_context
 from flashvlm.runner.sampler import Sampler, make_generator
+from flashvlm.runner.step_graphs import StepGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class ModelRunner:
             # eager steps use the same splits so both paths reduce in the same order (identical bf16 results).
             self.backend.max_seq_len_bound = config.scheduler.max_model_len
         self.graphs: DecodeGraphs | None = None
+        self.step_graphs: StepGraphs | None = None
+        """Graphs for prefill and mixed steps up to config.prefill_graph_max_tokens (CUDA only)."""
         # Unseeded requests draw from the engine's own generator, never torch's global one, so other torch
         # code in the process cannot change an engine's samples, and engines do not share a stream.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model.seed))
@@ -146,7 +149,13 @@ class ModelRunner:
         if not self.use_cuda_graphs:
             return 0
         n = self.config.scheduler.max_num_seqs
-        return 256 * 2**20 + 3 * n * self.model.vocab_size * 4 + n * self.model.kv_cache_spec().num_layers * 2**16
+        decode = 256 * 2**20 + 3 * n * self.model.vocab_size * 4 + n * self.model.kv_cache_spec().num_layers * 2**16
+        # The step graphs' pool holds one forward of their largest bucket: the activation profile of that many
+        # tokens scaled from the full-budget profile would be exact; this bound (hidden states, packed MLP
+        # output, logits) errs large.
+        tokens = min(self.config.prefill_graph_max_tokens, self.config.scheduler.max_num_batched_tokens)
+        step = 256 * 2**20 + tokens * 2**16 + 3 * n * self.model.vocab_size * 4 if tokens >= 16 else 0
+        return decode + step
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         spec = self.model.kv_cache_spec()
@@ -157,6 +166,16 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, sched.max_num_seqs,
                                        sched.max_model_len, self.block_size, self.device)
             self.graphs.capture()
+            max_tokens = min(self.config.prefill_graph_max_tokens, sched.max_num_batched_tokens)
+            if max_tokens >= 16:
+                self.step_graphs = self.build_step_graphs(max_tokens)
+                self.step_graphs.capture()
+
+    def build_step_graphs(self, max_tokens: int) -> StepGraphs:
+        sched = self.config.scheduler
+        hidden = self.model.embed_tokens(torch.zeros(1, dtype=torch.long, device=self.device)).shape[-1]
+        return StepGraphs(self.model, self.backend, self.kv_caches, max_tokens, sched.max_num_seqs,
+                          sched.max_model_len, self.block_size, hidden, self.dtype, self.device)
 
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -178,20 +197,9 @@ class ModelRunner:
 
         self._forward_timer.start()
         inputs = build_step_inputs(out, self.positions, self.block_size, self.device)
-        graph_logits = hidden = None
-        if self._graph_can_run(out, inputs.attn_meta):
-            graph_logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn_meta)
-        else:
-            embeds = self.model.embed_tokens(inputs.input_ids)
-            self._splice_image_embeddings(out, embeds)
-            ctx = ForwardContext(attn_meta=inputs.attn_meta, kv_caches=self.kv_caches, backend=self.backend)
-            hidden = self.model(embeds, inputs.positions, ctx)
+        logits = self._forward_logits(out, inputs)
         sampled: dict[str, int] = {}
         if inputs.sample_request_ids:
-            if graph_logits is not None:
-                logits = graph_logits.index_select(0, inputs.sample_rows)
-            else:
-                logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
             by_id = {s.request.request_id: s.request for s in out.scheduled}
             reqs = [by_id[r] for r in inputs.sample_request_ids]
             if self.record_logits:
@@ -211,6 +219,19 @@ class ModelRunner:
         self.last_timings = StepTimings(vision_s=self._vision_timer.seconds() if num_images else 0.0,
                                         forward_s=self._forward_timer.seconds(), num_images=num_images)
         return sampled
+
+    def _forward_logits(self, out: SchedulerOutput, inputs: StepInputs) -> torch.Tensor:
+        """Logits of the step's sampled rows: a decode graph, a prefill/mixed-step graph, or eager."""
+        meta = inputs.attn_meta
+        if self._graph_can_run(out, meta):
+            return self.graphs.run(inputs.input_ids, inputs.positions, meta).index_select(0, inputs.sample_rows)
+        embeds = self.model.embed_tokens(inputs.input_ids)
+        self._splice_image_embeddings(out, embeds)  # the vision tower's output enters before any graph
+        if self.step_graphs is not None and self.step_graphs.bucket(embeds.shape[0], meta.num_seqs) is not None:
+            return self.step_graphs.run(embeds, inputs.positions, meta, inputs.sample_rows)
+        ctx = ForwardContext(attn_meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+        hidden = self.model(embeds, inputs.positions, ctx)
+        return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
 
     def _graph_can_run(self, out: SchedulerOutput, meta) -> bool:
         """A captured graph serves steps of one new token per request, no image rows, within the ladder."""

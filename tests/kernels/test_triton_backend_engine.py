@@ -66,3 +66,46 @@ def test_fused_rotary_feeds_strided_queries_to_the_kernels(tmp_path, monkeypatch
         outs[kernels] = [o.token_ids for o in llm.generate(prompts, params)]
     assert calls and any(c is not False for c in calls), "the fused rotary path never ran"
     assert outs["triton"] == outs["torch"]
+
+
+def test_step_graphs_serve_prefill_and_mixed_steps_with_the_same_tokens(tmp_path) -> None:
+    """Prefill chunks, cached-prefix extends and mixed batches through the step graphs (padded to their bucket)
+    give the eager path's greedy tokens. On CPU the graphs' padded body runs eagerly (no capture): that is what
+    the padding semantics rest on; on CUDA the engine captures and replays the real graphs."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = str(build_qwen2_vl(tmp_path / "m", seed=21))
+    rng = np.random.default_rng(4)
+    pic = rng.integers(0, 256, (56, 84, 3), np.uint8)
+    prompts = [{"prompt": IMG + "Describe the picture.", "images": [pic]},
+               {"prompt": "A text-only question that is a little longer than the others?"},
+               {"prompt": IMG + "Again, the same picture: what colour?", "images": [pic]}]  # a prefix-cache hit
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    opts = dict(device=device, dtype="float32", kv_cache_tokens=2048, max_num_batched_tokens=32,
+                attention_backend="triton", kernel_backend="torch")
+    eager = LLM(path, enforce_eager=True, **opts)
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+
+    llm = LLM(path, prefill_graph_max_tokens=32, **opts)
+    runner = llm.engine.runner
+    if device == "cpu":
+        runner.step_graphs = runner.build_step_graphs(32)
+    assert runner.step_graphs is not None
+    served = []
+    run = runner.step_graphs.run
+
+    def counting_run(embeds, positions, meta, sample_rows):
+        served.append((embeds.shape[0], meta.num_seqs))
+        return run(embeds, positions, meta, sample_rows)
+
+    runner.step_graphs.run = counting_run
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert any(n < 32 for n, _ in served) and any(b > 1 for _, b in served), served  # padded, and mixed
+
+
+def test_step_buckets() -> None:
+    from flashvlm.runner.step_graphs import step_buckets
+
+    assert step_buckets(64, 8) == [(16, 1), (16, 4), (16, 8), (32, 1), (32, 4), (32, 8), (64, 1), (64, 4), (64, 8)]
+    assert step_buckets(100, 1) == [(16, 1), (32, 1), (64, 1), (100, 1)]
+    assert max(step_buckets(512, 256)) == (512, 256)
+    assert all(s <= t for t, s in step_buckets(512, 256))

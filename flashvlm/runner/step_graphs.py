@@ -1,0 +1,143 @@
+"""CUDA graphs for steps that are not pure decode: prefill chunks, cached-prefix extends (a repeated image, a
+follow-up turn) and mixed prefill + decode batches, up to a token bound.
+
+Why: an eager forward of a 28-layer model costs about 27 ms of host launch work on the H200 whatever the step's
+size (docs/BENCHMARKS.md, 2026-11-29), so a 14-token extend took as long as a 1,038-token prefill. A graph
+replays those launches in one call.
+
+A step of N tokens in B sequences replays the graph of the smallest bucket (T, S) with T >= N and S >= B. The
+step's embeddings (with image embeddings already spliced in, so the vision tower stays outside) and metadata are
+copied into fixed buffers; padding tokens get slot -1 (their keys and values are never written) and belong to
+no sequence, and padding sequences have no new tokens and length 0, so the attention kernel gives them no work.
+Rows are independent through every layer, so padding never reaches a real row. The graph ends with the logits
+of each sequence's last token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from flashvlm.attention.base import AttentionBackend, AttentionMetadata
+from flashvlm.layers.attention import ForwardContext
+from flashvlm.models.interfaces import VLModel
+
+logger = logging.getLogger(__name__)
+
+_SEQ_BUCKETS = (1, 4, 16, 64, 256)
+
+
+def step_buckets(max_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
+    """(tokens, sequences) pairs: tokens 16, 32, ... up to max_tokens; sequences 1, 4, 16, 64, 256 and
+    max_num_seqs, never more sequences than tokens. Few shapes keep capture short; padding wastes at most half."""
+    token_sizes, t = [], 16
+    while t < max_tokens:
+        token_sizes.append(t)
+        t *= 2
+    if max_tokens >= 16:
+        token_sizes.append(max_tokens)
+    seq_sizes = sorted({s for s in _SEQ_BUCKETS if s < max_num_seqs} | {max_num_seqs})
+    return [(t, s) for t in token_sizes for s in seq_sizes if s <= t]
+
+
+class StepGraphs:
+    def __init__(self, model: VLModel, backend: AttentionBackend, kv_caches: list[torch.Tensor], max_tokens: int,
+                 max_num_seqs: int, max_model_len: int, block_size: int, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.model, self.backend, self.kv_caches = model, backend, kv_caches
+        self.block_size, self.max_model_len = block_size, max_model_len
+        self.buckets = step_buckets(max_tokens, max_num_seqs)
+        t_max = max(t for t, _ in self.buckets)
+        s_max = max(s for _, s in self.buckets)
+        max_blocks = (max_model_len + block_size - 1) // block_size
+        self.embeds = torch.zeros(t_max, hidden_size, dtype=dtype, device=device)
+        self.positions = torch.zeros((3, t_max) if model.uses_mrope else (t_max,), dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((t_max,), -1, dtype=torch.long, device=device)
+        self.query_start_loc = torch.zeros(s_max + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(s_max, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((s_max, max_blocks), dtype=torch.int32, device=device)
+        self.sample_rows = torch.zeros(s_max, dtype=torch.long, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+        self.memory_bytes = 0
+
+    def bucket(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
+        """The smallest bucket holding the step, None if the step is larger than every bucket."""
+        fits = [(t, s) for t, s in self.buckets if t >= num_tokens and s >= num_seqs]
+        return min(fits) if fits else None
+
+    def _forward(self, tokens: int, seqs: int) -> torch.Tensor:
+        # Host fields describe the bucket only: the Triton prefill kernel reads device tensors, and its tiling
+        # follows max_query_len, which is the bucket's token count (an upper bound on any real chunk).
+        meta = AttentionMetadata(
+            query_start_loc=self.query_start_loc[: seqs + 1], seq_lens=self.seq_lens[:seqs],
+            block_tables=self.block_tables[:seqs], slot_mapping=self.slot_mapping[:tokens],
+            block_size=self.block_size, query_start_loc_host=[0] * (seqs + 1), seq_lens_host=[0] * seqs,
+            max_query_len=tokens, max_seq_len=self.max_model_len)
+        ctx = ForwardContext(attn_meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+        hidden = self.model(self.embeds[:tokens], self.positions[..., :tokens], ctx)
+        return self.model.compute_logits(hidden.index_select(0, self.sample_rows[:seqs]))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first so smaller graphs reuse the pool's blocks."""
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        t0 = time.perf_counter()
+        self._reset_padding()
+        for key in sorted(self.buckets, reverse=True):
+            for _ in range(2):  # compile Triton kernels and settle allocations before capture
+                self._forward(*key)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[key] = self._forward(*key)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[key] = graph
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+        self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
+        logger.info("captured %d prefill/mixed-step graphs (tokens x seqs up to %s) in %.1fs, %.0f MiB",
+                    len(self.graphs), max(self.buckets), self.capture_seconds, self.memory_bytes / 2**20)
+
+    def _reset_padding(self) -> None:
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.zero_()
+        self.query_start_loc.zero_()
+        self.sample_rows.zero_()
+
+    def run(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            sample_rows: torch.Tensor) -> torch.Tensor:
+        """Logits (len(sample_rows), vocab) of the step's sampled rows. Without a captured graph for the bucket
+        (CPU tests), the same padded body runs eagerly."""
+        n, b, k = embeds.shape[0], meta.num_seqs, sample_rows.shape[0]
+        key = self.bucket(n, b)
+        if key is None:
+            raise ValueError(f"a step of {n} tokens in {b} sequences exceeds every graph bucket")
+        tokens, seqs = key
+        self.embeds[:n].copy_(embeds)
+        self.embeds[n:tokens].zero_()
+        self.positions[..., :n].copy_(positions)
+        self.positions[..., n:tokens].zero_()
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.slot_mapping[n:tokens].fill_(-1)
+        self.query_start_loc[: b + 1].copy_(meta.query_start_loc)
+        self.query_start_loc[b + 1: seqs + 1].fill_(n)  # padding sequences: no new tokens
+        self.seq_lens[:b].copy_(meta.seq_lens)
+        self.seq_lens[b:seqs].zero_()
+        width = meta.block_tables.shape[1]
+        self.block_tables[:b, :width].copy_(meta.block_tables)
+        self.sample_rows[:k].copy_(sample_rows)
+        self.sample_rows[k:seqs].zero_()
+        graph = self.graphs.get(key)
+        if graph is None:
+            with torch.inference_mode():
+                return self._forward(tokens, seqs)[:k]
+        graph.replay()
+        return self.outputs[key][:k]
+
