@@ -22,7 +22,7 @@ __all__ = ["apply_rotary_reference", "rotary_qk_inplace"]
 
 @triton.jit
 def _rotary_qk_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_ct, stride_st, num_heads,
-                      HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                      HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP32_MATH: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs = tl.arange(0, BLOCK_D)
@@ -38,20 +38,27 @@ def _rotary_qk_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_ct, stride_st, 
     c2 = tl.load(cos_ptr + tok * stride_ct + HALF + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     s1 = tl.load(sin_ptr + tok * stride_st + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     s2 = tl.load(sin_ptr + tok * stride_st + HALF + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    # out = x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1); round as torch does.
-    lo = (x1 * c1).to(ty).to(tl.float32) + (-x2 * s1).to(ty).to(tl.float32)
-    hi = (x2 * c2).to(ty).to(tl.float32) + (x1 * s2).to(ty).to(tl.float32)
+    # out = x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1); round as the torch path does:
+    # in the activation dtype after each product (text decoder), or once at the end (FP32_MATH: vision towers,
+    # whose reference upcasts x and takes float32 cos/sin).
+    if FP32_MATH:
+        lo = x1 * c1 + (-x2 * s1)
+        hi = x2 * c2 + x1 * s2
+    else:
+        lo = (x1 * c1).to(ty).to(tl.float32) + (-x2 * s1).to(ty).to(tl.float32)
+        hi = (x2 * c2).to(ty).to(tl.float32) + (x1 * s2).to(ty).to(tl.float32)
     tl.store(base + offs[None, :], lo.to(ty), mask=mask)
     tl.store(base + HALF + offs[None, :], hi.to(ty), mask=mask)
 
 
 def rotary_qk_inplace(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                      head_dim: int) -> None:
+                      head_dim: int, fp32_math: bool = False) -> None:
     """Rotate the first `num_heads` heads of each row of `qk` in place.
 
     qk: (tokens, width) with width >= num_heads * head_dim and a contiguous last dim: the packed QKV output,
     whose query and key heads lie side by side at the start of each row (values after them stay untouched).
     cos/sin: (tokens, head_dim) in the activation dtype, as `RotaryEmbedding` returns them.
+    fp32_math: compute in float32 and round once (the vision towers' rotary, float32 cos/sin).
     """
     if head_dim % 2:
         raise ValueError(f"head_dim must be even, got {head_dim}")
@@ -69,4 +76,4 @@ def rotary_qk_inplace(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nu
     block_h = min(next_power_of_2(num_heads), max(1, 4096 // block_d))
     grid = (tokens, triton.cdiv(num_heads, block_h))
     _rotary_qk_kernel[grid](qk, cos, sin, qk.stride(0), cos.stride(0), sin.stride(0), num_heads,
-                            HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
+                            HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, FP32_MATH=fp32_math, num_warps=4)

@@ -44,14 +44,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def apply_rotary_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int, *,
-                     enabled: bool | None = None, force: bool = False) -> bool:
+                     enabled: bool | None = None, force: bool = False, fp32_math: bool = False) -> bool:
     """Rotate the first `num_heads` heads of each row of the packed projection `qkv` in place (queries then
-    keys) with the fused Triton kernel. Returns False, touching nothing, where the kernel does not run."""
+    keys) with the fused Triton kernel. Returns False, touching nothing, where the kernel does not run.
+    fp32_math: round once at the end, as the vision towers' float32 rotary does."""
     if not use_triton(qkv, enabled, force) or qkv.dim() != 2 or qkv.stride(1) != 1:
         return False
     from flashvlm.kernels.rotary import rotary_qk_inplace  # lazy: Triton loads on the first kernel call
 
-    rotary_qk_inplace(qkv, cos, sin, num_heads, head_dim)
+    rotary_qk_inplace(qkv, cos, sin, num_heads, head_dim, fp32_math=fp32_math)
     return True
 
 

@@ -157,6 +157,24 @@ def test_rotary_qk(device, dtype, tokens, q_heads, kv_heads, head_dim, mrope):
     assert torch.equal(qkv[:, q_size + kv_size:], ref_v), "values must stay untouched"
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_rotary_qk_fp32_math_matches_the_vision_rotary(device, dtype):
+    from flashvlm.models.vision.qwen_vit import apply_vision_rotary, vision_position_ids, vision_rotary
+
+    heads, head_dim, n = 16, 80, 64  # the Qwen2-VL ViT's head layout on an 8x8-patch image
+    qkv = torch.randn(n, 3 * heads * head_dim, dtype=dtype, device=device) * 2
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim // 2, 2, dtype=torch.float32, device=device) / (head_dim // 2))
+    cos, sin = vision_rotary(vision_position_ids([(1, 8, 8)], 2, torch.device(device)), inv_freq)
+    q, k, v = qkv.view(n, 3, heads, head_dim).unbind(1)
+    ref_q, ref_k, ref_v = apply_vision_rotary(q, cos, sin), apply_vision_rotary(k, cos, sin), v.clone()
+    assert apply_rotary_qk_(qkv, cos, sin, 2 * heads, head_dim, force=True, fp32_math=True)
+    q, k, v = qkv.view(n, 3, heads, head_dim).unbind(1)
+    # One rounding of a float32 result: at most an ulp apart where float32 sums differ in their last bit.
+    assert_matches(q.contiguous(), ref_q, max_mismatch_frac=0.01)
+    assert_matches(k.contiguous(), ref_k, max_mismatch_frac=0.01)
+    assert torch.equal(v, ref_v)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_rotary_qk_dispatch_and_bad_shapes(device):
     qkv = torch.randn(4, 6 * 16, device=device)

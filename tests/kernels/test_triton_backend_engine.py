@@ -35,8 +35,9 @@ def test_triton_backend_matches_reference(tmp_path) -> None:
 
 
 def test_fused_rotary_feeds_strided_queries_to_the_kernels(tmp_path, monkeypatch) -> None:
-    """With the fused rotary kernel, q and k reach the attention kernels as strided views of the packed QKV
-    output; the tokens must not change (float32, the rotary kernel forced on for CPU tensors too)."""
+    """With the fused rotary kernel (decoder, and the vision tower's float32 variant), q and k reach the attention
+    kernels as strided views of the packed QKV output; the tokens must not change (float32, the rotary kernel
+    forced on for CPU tensors too)."""
     import flashvlm.layers.rotary as rotary_mod
     from flashvlm.kernels import dispatch
 
@@ -52,19 +53,30 @@ def test_fused_rotary_feeds_strided_queries_to_the_kernels(tmp_path, monkeypatch
         calls.append(enabled)
         return enabled is not False and (x.is_cuda or dispatch.interpreter_active())
 
+    import flashvlm.kernels.rotary as kernel_mod
+
+    modes: set[bool] = set()
+    kernel = kernel_mod.rotary_qk_inplace
+
+    def recording_kernel(*args, fp32_math=False):
+        modes.add(fp32_math)
+        return kernel(*args, fp32_math=fp32_math)
+
     outs = {}
     for kernels in ("torch", "triton"):
         if kernels == "triton":
             monkeypatch.setattr(rotary_mod, "use_triton", rotary_on_cpu_too)
+            monkeypatch.setattr(kernel_mod, "rotary_qk_inplace", recording_kernel)
         llm = LLM(path, device=device, dtype="float32", kv_cache_tokens=1024, max_num_batched_tokens=24,
                   attention_backend="triton", kernel_backend=kernels if device == "cuda" else "torch",
                   enforce_eager=True)
         if kernels == "triton" and device == "cpu":
             for layer in llm.engine.runner.model.modules():
-                if hasattr(layer, "qkv_proj"):
-                    layer.use_triton_kernels = True  # the rotary layers only; norms stay on torch
+                if hasattr(layer, "qkv_proj") or hasattr(layer, "qkv"):
+                    layer.use_triton_kernels = True  # decoder and vision rotary only; norms stay on torch
         outs[kernels] = [o.token_ids for o in llm.generate(prompts, params)]
     assert calls and any(c is not False for c in calls), "the fused rotary path never ran"
+    assert modes == {False, True}, "the decoder (rounding like bf16 torch) and the vision tower (float32) both ran it"
     assert outs["triton"] == outs["torch"]
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from flashvlm.layers.activation import get_activation
 from flashvlm.layers.mlp import GatedMLP
 from flashvlm.layers.norm import RMSNorm
-from flashvlm.layers.rotary import rotate_half
+from flashvlm.layers.rotary import apply_rotary_qk_, rotate_half
 from flashvlm.layers.vision_attention import varlen_attention
 
 Grid = tuple[int, int, int]
@@ -104,12 +104,20 @@ class VisionAttention(nn.Module):
         self.num_heads, self.head_dim = num_heads, dim // num_heads
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim)
+        self.use_triton_kernels = True
+        """Fused rotary kernel on CUDA tensors; the engine sets it from EngineConfig.kernel_backend."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cu_seqlens: list[int]) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = apply_vision_rotary(q, cos, sin), apply_vision_rotary(k, cos, sin)
+        qkv = self.qkv(x)
+        # One launch for q and k instead of seven each: the tower runs eagerly, so launches are its host cost.
+        if apply_rotary_qk_(qkv, cos, sin, 2 * self.num_heads, self.head_dim, enabled=self.use_triton_kernels,
+                            fp32_math=True):
+            q, k, v = qkv.view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        else:
+            q, k, v = qkv.view(n, 3, self.num_heads, self.head_dim).unbind(1)
+            q, k = apply_vision_rotary(q, cos, sin), apply_vision_rotary(k, cos, sin)
         return self.proj(varlen_attention(q, k, v, cu_seqlens).reshape(n, -1))
 
 
