@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from flashvlm.demo.scenes import IMAGE_SIZE, QUESTION_TYPES, answer_vocabulary, make_example, make_split
+from flashvlm.models.qwen2_vl import mrope_positions
 from flashvlm.processing.preprocess import QwenImageProcessor
 from flashvlm.testing.tiny_checkpoints import (
     QWEN_CHAT_TEMPLATE,
@@ -58,7 +59,10 @@ class Batcher:
         self.tok = tokenizer
         self.image_token_id = image_token_id
         self.proc = QwenImageProcessor.from_config(qwen_preprocessor_config(PIXELS, PIXELS))
-        self.num_image_tokens = self.proc.num_image_tokens(self.proc.grid_thw(IMAGE_SIZE, IMAGE_SIZE))
+        grid = self.proc.grid_thw(IMAGE_SIZE, IMAGE_SIZE)
+        self.num_image_tokens = self.proc.num_image_tokens(grid)
+        merge = self.proc.merge_size
+        self.merged_grid = (grid[0], grid[1] // merge, grid[2] // merge)
         self.pad = tokenizer.pad_token_id
 
     def prompt_ids(self, question: str) -> list[int]:
@@ -82,9 +86,16 @@ class Batcher:
         ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
         lab = torch.full((len(rows), width), -100, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
+        # M-RoPE positions computed here (in the loader's workers) rather than by transformers, whose per-row
+        # loop syncs the GPU every step; padding positions are masked out and carry no loss.
+        positions = torch.zeros((3, len(rows), width), dtype=torch.long)
         for i, (r, lb) in enumerate(zip(rows, labels)):
             ids[i, : len(r)], lab[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), torch.tensor(lb), 1
+            k = r.index(self.image_token_id)
+            positions[:, i, : len(r)] = mrope_positions(len(r), [(k, k + self.num_image_tokens, *self.merged_grid,
+                                                                   "scene")])[0]
         return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": lab.to(device),
+                "position_ids": positions.to(device),
                 "pixel_values": torch.cat(pixels).to(device), "image_grid_thw": torch.tensor(grids, device=device),
                 "mm_token_type_ids": (ids == self.image_token_id).long().to(device)}
 

@@ -47,6 +47,30 @@ def _token_id(cfg, name: str) -> int:
     return int(value)
 
 
+def mrope_positions(length: int, images: list[tuple[int, int, int, int, int, str]]) -> tuple[torch.Tensor, int]:
+    """(3, length) M-RoPE positions and the rope delta, for images given as (offset, end, t, merged h, merged w,
+    name) (see Qwen2VLForConditionalGeneration.prompt_positions; the demo trainer uses it to spare
+    transformers' per-row position loop)."""
+    segments: list[torch.Tensor] = []
+    cursor, pos = 0, 0
+    for offset, end, t, gh, gw, name in sorted(images):
+        if offset < cursor or end > length:
+            raise ValueError(f"image {name}: placeholders [{offset}, {end}) overlap another image or run past "
+                             f"the prompt ({length} tokens)")
+        text_len = offset - cursor
+        segments.append(torch.arange(text_len).expand(3, -1) + pos)
+        pos += text_len
+        axes = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
+        segments.append(torch.stack(axes).reshape(3, -1) + pos)
+        pos += max(gh, gw)
+        cursor = end
+    segments.append(torch.arange(length - cursor).expand(3, -1) + pos)
+    positions = torch.cat(segments, dim=1)
+    if length == 0:
+        return positions, 0
+    return positions, int(positions.max()) + 1 - length
+
+
 class Qwen2VLForConditionalGeneration(VLModel):
     uses_mrope = True
     vision_tower_cls: type[QwenVisionTower] = Qwen2VisionTower
@@ -97,27 +121,12 @@ class Qwen2VLForConditionalGeneration(VLModel):
         merged grid, each axis offset by the position after the preceding text; the text after it
         resumes at that offset + max(grid h, grid w). Images have t = 1, so Qwen2.5-VL's temporal
         scaling (videos only) never applies."""
-        length = len(prompt_token_ids)
-        segments: list[torch.Tensor] = []
-        cursor, pos = 0, 0
-        for item in sorted(mm_items, key=lambda it: it.offset):
+        images = []
+        for item in mm_items:
             t, h, w = self._grid(item)
-            if item.offset < cursor or item.end > length:
-                raise ValueError(f"image {item.mm_hash}: placeholders [{item.offset}, {item.end}) overlap "
-                                 f"another image or run past the prompt ({length} tokens)")
-            text_len = item.offset - cursor
-            segments.append(torch.arange(text_len).expand(3, -1) + pos)
-            pos += text_len
-            gh, gw = h // self.spatial_merge_size, w // self.spatial_merge_size
-            axes = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
-            segments.append(torch.stack(axes).reshape(3, -1) + pos)
-            pos += max(gh, gw)
-            cursor = item.end
-        segments.append(torch.arange(length - cursor).expand(3, -1) + pos)
-        positions = torch.cat(segments, dim=1)
-        if length == 0:
-            return positions, 0
-        return positions, int(positions.max()) + 1 - length
+            images.append((item.offset, item.end, t, h // self.spatial_merge_size, w // self.spatial_merge_size,
+                           item.mm_hash))
+        return mrope_positions(len(prompt_token_ids), images)
 
     def _param_name(self, ckpt_name: str) -> str | None:
         if ckpt_name.startswith("lm_head."):

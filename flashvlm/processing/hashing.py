@@ -7,17 +7,17 @@ same picture resized differently (other min/max pixels) never shares cached embe
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from typing import Any
 
+import xxhash
 from PIL import Image
 
 __all__ = ["hash_image"]
 
 # Bump when the hashed layout changes so stale persisted keys can never collide with new ones.
-_HASH_VERSION = b"flashvlm-image-v1"
+_HASH_VERSION = b"flashvlm-image-v2"
 
 
 def _canonical(value: Any) -> Any:
@@ -32,8 +32,12 @@ def _canonical(value: Any) -> Any:
 
 
 def hash_image(img: Image.Image, processor_params: Mapping[str, Any]) -> str:
-    """Hex blake2b-256 digest over mode, size, raw pixel bytes and sorted-JSON processor params."""
-    h = hashlib.blake2b(digest_size=32)
+    """Hex XXH3-128 digest over mode, size, raw pixel bytes and sorted-JSON processor params.
+
+    XXH3 rather than a cryptographic hash: it runs at memory speed (a 1008x756 picture in ~0.2 ms against ~3 ms
+    for blake2b), and it sits on the time to first token of every request with an image. Its 128 bits make an
+    accidental collision between two pictures negligible; the key is not a defence against crafted inputs."""
+    h = xxhash.xxh3_128()
     h.update(_HASH_VERSION)
     params = json.dumps(_canonical(processor_params), sort_keys=True, separators=(",", ":"))
     # Length-prefix each variable-size field so no two different inputs concatenate to the same bytes.

@@ -48,3 +48,22 @@ def test_eval_cli(tmp_path, monkeypatch, capsys) -> None:
     result = json.loads(out.read_text())
     assert result["num_examples"] == 4 and len(result["per_type"]) == 4
     assert main(["eval", "--num-examples", "0", "--device", "cpu"]) == 1
+
+
+def test_batcher_positions_equal_transformers_rope_index() -> None:
+    """The trainer hands transformers precomputed M-RoPE positions; they must be the ones it would compute."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from flashvlm.demo.scenes import make_example
+    from flashvlm.demo.train import demo_config, demo_tokenizer
+
+    tok = demo_tokenizer()
+    cfg = demo_config(tok)
+    batch = Batcher(tok, cfg.image_token_id)([make_example(3, i) for i in range(6)], "cpu")
+    model = Qwen2VLForConditionalGeneration(cfg)
+    ref, _ = model.model.get_rope_index(batch["input_ids"], image_grid_thw=batch["image_grid_thw"],
+                                        attention_mask=batch["attention_mask"],
+                                        mm_token_type_ids=batch["mm_token_type_ids"])
+    real = batch["attention_mask"].bool()
+    assert torch.equal(batch["position_ids"][:, real], ref[:, real])
+    assert len(set(batch["attention_mask"].sum(1).tolist())) > 1  # rows of different lengths: padding covered
