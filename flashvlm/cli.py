@@ -46,6 +46,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-graph-max-tokens", type=int, default=512,
                    help="prefill, cached-prefix and mixed steps up to this many tokens also replay CUDA graphs "
                         "(0: decode steps only)")
+    g.add_argument("--vision-graphs", type=int, default=4,
+                   help="vision-tower CUDA graphs kept for recurring image shapes (captured the second time a "
+                        "shape is seen; 0: always eager)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of repeated prefixes, images included (default: on)")
     g.add_argument("--encoder-cache-tokens", type=int, default=8192,
@@ -114,7 +117,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, load_format=args.load_format, seed=args.seed,
                 attention_backend=args.attention_backend, kernel_backend=args.kernel_backend,
                 enforce_eager=args.enforce_eager, preprocess_on_gpu=args.preprocess_on_gpu,
-                prefill_graph_max_tokens=args.prefill_graph_max_tokens,
+                prefill_graph_max_tokens=args.prefill_graph_max_tokens, vision_graphs=args.vision_graphs,
                 enable_prefix_caching=args.enable_prefix_caching,
                 encoder_cache_tokens=args.encoder_cache_tokens)
 

@@ -68,6 +68,9 @@ class EngineConfig:
     preprocessed pixels of queued requests then live in GPU memory, outside the KV budget: opt-in."""
     enforce_eager: bool = False
     """Never use CUDA graphs (they need the triton attention backend on CUDA)."""
+    vision_graphs: int = 4
+    """Most vision-tower CUDA graphs kept, one per recurring batch shape (captured the second time a shape is
+    seen); 0 = the tower always runs eagerly."""
     prefill_graph_max_tokens: int = 512
     """Steps that are not pure decode (prefill chunks, cached-prefix extends, mixed batches) of up to this many
     tokens replay CUDA graphs too; 0 = only decode steps do. Bounded by max_num_batched_tokens."""
@@ -97,6 +100,8 @@ class EngineConfig:
                 raise ConfigError(f"max_running_per_group[{group!r}] must be a positive integer, got {cap!r}")
         if self.attention_backend not in ("auto", "reference", "triton"):
             raise ConfigError(f"attention_backend must be auto, reference or triton, got {self.attention_backend!r}")
+        if self.vision_graphs < 0:
+            raise ConfigError(f"vision_graphs must be >= 0, got {self.vision_graphs}")
         if self.prefill_graph_max_tokens < 0:
             raise ConfigError(f"prefill_graph_max_tokens must be >= 0, got {self.prefill_graph_max_tokens}")
         if self.kernel_backend not in ("triton", "torch"):

@@ -28,7 +28,7 @@ class LLM:
                  kernel_backend: str = "triton", enforce_eager: bool = False, preprocess_on_gpu: bool = False,
                  enable_prefix_caching: bool = True,
                  encoder_cache_tokens: int = 8192, max_running_per_group: dict[str, int] | None = None,
-                 prefill_graph_max_tokens: int = 512) -> None:
+                 prefill_graph_max_tokens: int = 512, vision_graphs: int = 4) -> None:
         if model is None:
             from flashvlm.models.default import default_model_path
 
@@ -43,7 +43,7 @@ class LLM:
                                       max_running_per_group=dict(max_running_per_group or {})),
             device=device, attention_backend=attention_backend, kernel_backend=kernel_backend,
             enforce_eager=enforce_eager, preprocess_on_gpu=preprocess_on_gpu,
-            prefill_graph_max_tokens=prefill_graph_max_tokens)
+            prefill_graph_max_tokens=prefill_graph_max_tokens, vision_graphs=vision_graphs)
         self.engine = Engine(config)
 
     def get_tokenizer(self) -> Any:

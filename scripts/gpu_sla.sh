@@ -28,7 +28,7 @@ serve_and_measure() {  # name sla-config-file
     sleep 0.5
   done
   python3 -m flashvlm.cli bench serve --base-url "http://127.0.0.1:$PORT" --served-model bench \
-    --num-requests "${NUM:-400}" --request-rate "${RATE:-40}" --image-size "${SIZE:-448x448}" --text-tokens 64 \
+    --num-requests "${NUM:-300}" --request-rate "${RATE:-28}" --image-size "${SIZE:-448x448}" --text-tokens 64 \
     --output-tokens "${OUTPUT_TOKENS:-64}" --tier gold:0.2,bronze:0.8 --seed 0 --no-progress \
     --goodput ttft:500 tpot:50 --out "bench_out/sla_$1" 2>&1 | grep -v "incorrect regex"
   curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^flashvlm:(num_preemptions|request_success)' > "$OUT/metrics_$1.txt"

@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead of --steps: time a short probe, then train as many steps as fit in this many "
                         "seconds (the count is printed and saved in training.json)")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=3e-4,
+                   help="peak AdamW learning rate (1e-3 and above stall at the answer prior on this model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--log-every", type=int, default=100)

@@ -32,6 +32,8 @@ class VLModel(nn.Module):
     """
 
     uses_mrope: bool = False
+    vision_graphable: bool = False
+    """encode_images can be captured in a CUDA graph per batch shape (no host syncs, no host-to-device copies)."""
     image_token_id: int = -1
     language_model: nn.Module
     """A models.decoder.DecoderModel; families set it (and lm_head) with init_language_model()."""

@@ -73,6 +73,7 @@ def mrope_positions(length: int, images: list[tuple[int, int, int, int, int, str
 
 class Qwen2VLForConditionalGeneration(VLModel):
     uses_mrope = True
+    vision_graphable = True
     vision_tower_cls: type[QwenVisionTower] = Qwen2VisionTower
 
     def __init__(self, hf_config) -> None:
@@ -87,8 +88,6 @@ class Qwen2VLForConditionalGeneration(VLModel):
             raise ValueError(f"vision tower yields {self.visual.out_features}-wide tokens, "
                              f"the language model is {text_cfg.hidden_size} wide")
         self.init_language_model(hf_config, DecoderModel(text_cfg, qkv_bias=True, mrope=True))
-
-
 
     def _grid(self, item: MMItem) -> Grid:
         if item.grid_thw is None:
@@ -110,8 +109,6 @@ class Qwen2VLForConditionalGeneration(VLModel):
         pixels = pixels.to(device=weight.device, dtype=weight.dtype, non_blocking=True)
         features = self.visual(pixels, grids)
         return list(features.split([item.num_tokens for item in items]))
-
-
 
     def prompt_positions(self, prompt_token_ids: list[int],
                          mm_items: list[MMItem]) -> tuple[torch.Tensor, int]:
@@ -150,3 +147,4 @@ class Qwen2VLForConditionalGeneration(VLModel):
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     vision_tower_cls = Qwen2_5VisionTower
+    vision_graphable = False  # window_partition builds its permutation on the host and copies it over

@@ -18,6 +18,7 @@ from flashvlm.runner.cuda_graph import DecodeGraphs
 from flashvlm.runner.inputs import PositionStore, StepInputs, build_step_inputs, single_sequence_context
 from flashvlm.runner.sampler import Sampler, make_generator
 from flashvlm.runner.step_graphs import StepGraphs
+from flashvlm.runner.vision_graphs import VisionGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class ModelRunner:
             self.backend.max_seq_len_bound = config.scheduler.max_model_len
         self.graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
+        self.vision_graphs: VisionGraphs | None = None
+        """Vision-tower graphs for recurring image shapes (CUDA, models whose tower is capturable)."""
         """Graphs for prefill and mixed steps up to config.prefill_graph_max_tokens (CUDA only)."""
         # Unseeded requests draw from the engine's own generator, never torch's global one, so other torch
         # code in the process cannot change an engine's samples, and engines do not share a stream.
@@ -155,7 +158,9 @@ class ModelRunner:
         # output, logits) errs large.
         tokens = min(self.config.prefill_graph_max_tokens, self.config.scheduler.max_num_batched_tokens)
         step = 256 * 2**20 + tokens * 2**16 + 3 * n * self.model.vocab_size * 4 if tokens >= 16 else 0
-        return decode + step
+        # Vision graphs share one pool sized by the largest captured batch (VisionGraphs.max_patches patches).
+        vision = 2**30 if self.config.vision_graphs > 0 and self.model.vision_graphable else 0
+        return decode + step + vision
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         spec = self.model.kv_cache_spec()
@@ -166,6 +171,9 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, sched.max_num_seqs,
                                        sched.max_model_len, self.block_size, self.device)
             self.graphs.capture()
+            if self.config.vision_graphs > 0 and self.model.vision_graphable:
+                self.vision_graphs = VisionGraphs(self.model.encode_images, self.device, self.dtype,
+                                                  max_graphs=self.config.vision_graphs)
             max_tokens = min(self.config.prefill_graph_max_tokens, sched.max_num_batched_tokens)
             if max_tokens >= 16:
                 self.step_graphs = self.build_step_graphs(max_tokens)
@@ -266,7 +274,8 @@ class ModelRunner:
                     items.append(item)
         if not items:
             return 0
-        for item, emb in zip(items, self.model.encode_images(items)):
+        encode = self.vision_graphs if self.vision_graphs is not None else self.model.encode_images
+        for item, emb in zip(items, encode(items)):
             if emb.shape[0] != item.num_tokens:
                 raise RuntimeError(f"vision tower gave {emb.shape[0]} embeddings for an image with "
                                    f"{item.num_tokens} placeholders")

@@ -1,0 +1,106 @@
+"""CUDA graphs of the vision tower, one per batch shape (the images' patch grids), for shapes that recur.
+
+Why: the tower runs eagerly, and on the H200 its launches cost more host time than its arithmetic costs GPU time
+(a 1008x756 image took 28-35 ms against a ~10 ms compute floor, docs/BENCHMARKS.md). Screenshots and product
+photos come in a few sizes, so a shape seen before is worth a graph: the second time a shape arrives it is
+captured, and from then on replayed. Shapes seen once stay eager, so a stream of one-off sizes never pays for
+captures. At most `max_graphs` graphs are kept (least recently used goes first); they share one memory pool,
+and their replays never overlap (one engine thread).
+
+Replay copies the new pixels into the captured input buffers and returns copies of the outputs (the encoder
+cache keeps them, and the next replay overwrites the graph's own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from flashvlm.request import MMItem
+
+logger = logging.getLogger(__name__)
+
+Encoder = Callable[[list[MMItem]], list[torch.Tensor]]
+
+
+@dataclasses.dataclass
+class _Entry:
+    graph: Any
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+
+
+class VisionGraphs:
+    def __init__(self, encode: Encoder, device: torch.device, dtype: torch.dtype, max_graphs: int = 4,
+                 max_patches: int = 16384, graph_factory: Callable[[], Any] | None = None) -> None:
+        """encode: the model's `encode_images`. graph_factory: makes a graph object with `capture(fn, pool)`
+        -> outputs and `replay()`; the default wraps torch.cuda.CUDAGraph (tests pass an eager stand-in)."""
+        self.encode, self.device, self.dtype = encode, device, dtype
+        self.max_graphs, self.max_patches = max_graphs, max_patches
+        self.graph_factory = graph_factory or _CudaGraph
+        self._graphs: OrderedDict[tuple, _Entry] = OrderedDict()
+        self._seen: dict[tuple, int] = {}
+        self.pool = None
+        self.num_captures = 0
+        self.num_replays = 0
+
+    @staticmethod
+    def key(items: list[MMItem]) -> tuple:
+        return tuple((tuple(torch.as_tensor(it.pixel_values).shape), it.grid_thw, it.num_tokens) for it in items)
+
+    def __call__(self, items: list[MMItem]) -> list[torch.Tensor]:
+        key = self.key(items)
+        entry = self._graphs.get(key)
+        if entry is None:
+            patches = sum(torch.as_tensor(it.pixel_values).shape[0] for it in items)
+            self._seen[key] = self._seen.get(key, 0) + 1
+            if self.max_graphs < 1 or self._seen[key] < 2 or patches > self.max_patches:
+                return self.encode(items)
+            entry = self._capture(key, items)
+        else:
+            self._graphs.move_to_end(key)
+        for buf, it in zip(entry.inputs, items):
+            buf.copy_(torch.as_tensor(it.pixel_values), non_blocking=True)
+        entry.graph.replay()
+        self.num_replays += 1
+        return [out.clone() for out in entry.outputs]
+
+    def _capture(self, key: tuple, items: list[MMItem]) -> _Entry:
+        if len(self._graphs) >= self.max_graphs:
+            self._graphs.popitem(last=False)  # its graph's memory returns to the shared pool
+        inputs = [torch.empty(torch.as_tensor(it.pixel_values).shape, dtype=self.dtype, device=self.device)
+                  for it in items]
+        for buf, it in zip(inputs, items):
+            buf.copy_(torch.as_tensor(it.pixel_values))
+        static = [dataclasses.replace(it, pixel_values=buf) for it, buf in zip(items, inputs)]
+        graph = self.graph_factory()
+        outputs = graph.capture(lambda: self.encode(static), self.pool)
+        self.pool = getattr(graph, "pool", None) or self.pool
+        entry = _Entry(graph, inputs, outputs)
+        self._graphs[key] = entry
+        self.num_captures += 1
+        logger.info("captured a vision graph for grids %s", [it.grid_thw for it in items])
+        return entry
+
+
+class _CudaGraph:
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = None
+
+    def capture(self, fn: Callable[[], list[torch.Tensor]], pool: Any) -> list[torch.Tensor]:
+        for _ in range(2):  # settle allocations and lazily built index tensors before capture
+            fn()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(self.graph, pool=pool):
+            outputs = fn()
+        self.pool = pool if pool is not None else self.graph.pool()
+        return outputs
+
+    def replay(self) -> None:
+        self.graph.replay()

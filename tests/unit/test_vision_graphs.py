@@ -1,0 +1,79 @@
+"""Vision-tower graph bookkeeping (capture on the second sight of a shape, replay with new pixels, LRU), on CPU
+with an eager stand-in for the CUDA graph: replay re-runs the captured function on the captured input buffers."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from flashvlm import LLM
+from flashvlm.runner.vision_graphs import VisionGraphs
+from flashvlm.testing.tiny_checkpoints import build_qwen2_vl
+
+
+class EagerGraph:
+    def capture(self, fn, pool):
+        self.fn = fn
+        self.outputs = [o.clone() for o in fn()]  # the graph's own output buffers
+        return self.outputs
+
+    def replay(self) -> None:
+        for out, new in zip(self.outputs, self.fn()):
+            out.copy_(new)
+
+
+def test_capture_on_second_sight_replay_with_new_pixels_and_lru(tmp_path) -> None:
+    llm = LLM(str(build_qwen2_vl(tmp_path / "m", seed=2)), device="cpu", kv_cache_tokens=4096, dtype="float32")
+    engine, model = llm.engine, llm.engine.runner.model
+    graphs = VisionGraphs(model.encode_images, torch.device("cpu"), torch.float32, max_graphs=2,
+                          graph_factory=EagerGraph)
+    rng = np.random.default_rng(0)
+
+    def items(h: int, w: int):
+        img = rng.integers(0, 256, (h, w, 3), np.uint8)
+        return engine.process_prompt({"prompt": "<|vision_start|><|image_pad|><|vision_end|>x",
+                                      "images": [img]}).mm_items
+
+    def check(batch) -> None:
+        got = graphs(batch)
+        want = model.encode_images(batch)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+
+    check(items(56, 84))                  # first sight: eager
+    assert graphs.num_captures == 0
+    check(items(56, 84))                  # second sight: captured (and run)
+    assert (graphs.num_captures, graphs.num_replays) == (1, 1)
+    first = graphs(items(56, 84))         # replay with other pixels: outputs follow the new input
+    check(items(56, 84))
+    assert graphs.num_replays == 3
+    again = graphs(items(56, 84))
+    assert not torch.equal(first[0], again[0])  # returned copies, not the graph's own (overwritten) buffers
+    for size in ((84, 84), (84, 84), (112, 56), (112, 56)):  # two more shapes captured: the oldest is evicted
+        check(items(*size))
+    assert graphs.num_captures == 3 and len(graphs._graphs) == 2
+    assert VisionGraphs.key(items(56, 84)) not in graphs._graphs
+    check(items(56, 84) + items(84, 84))  # a batch of two images is its own shape
+    assert graphs.num_captures == 3
+
+
+def test_runner_uses_vision_graphs_when_set(tmp_path) -> None:
+    """The engine path: outputs with the (stand-in) graphs equal the eager tower's."""
+    from flashvlm import SamplingParams
+
+    path = str(build_qwen2_vl(tmp_path / "m", seed=4))
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt": "<|vision_start|><|image_pad|><|vision_end|>Describe.",
+                "images": [rng.integers(0, 256, (56, 56, 3), np.uint8)]} for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    opts = dict(device="cpu", kv_cache_tokens=4096, dtype="float32", enable_prefix_caching=False,
+                encoder_cache_tokens=0)
+    expected = [o.token_ids for o in LLM(path, **opts).generate(prompts, params)]
+    llm = LLM(path, **opts)
+    runner = llm.engine.runner
+    runner.vision_graphs = VisionGraphs(runner.model.encode_images, torch.device("cpu"), torch.float32,
+                                        graph_factory=EagerGraph)
+    # One prompt at a time: each step then encodes one image of the same shape, which recurs.
+    assert [llm.generate(p, params)[0].token_ids for p in prompts] == expected
+    assert runner.vision_graphs.num_replays >= 1
