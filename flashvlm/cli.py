@@ -43,7 +43,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="rescale/normalize/patchify images on the GPU (queued requests' pixels then use GPU memory)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (decode steps are captured only with --attention-backend triton on CUDA)")
-    g.add_argument("--prefill-graph-max-tokens", type=int, default=512,
+    g.add_argument("--prefill-graph-max-tokens", type=int, default=2048,
                    help="prefill, cached-prefix and mixed steps up to this many tokens also replay CUDA graphs "
                         "(0: decode steps only)")
     g.add_argument("--vision-graphs", type=int, default=4,

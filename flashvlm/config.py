@@ -71,7 +71,7 @@ class EngineConfig:
     vision_graphs: int = 4
     """Most vision-tower CUDA graphs kept, one per recurring batch shape (captured the second time a shape is
     seen); 0 = the tower always runs eagerly."""
-    prefill_graph_max_tokens: int = 512
+    prefill_graph_max_tokens: int = 2048
     """Steps that are not pure decode (prefill chunks, cached-prefix extends, mixed batches) of up to this many
     tokens replay CUDA graphs too; 0 = only decode steps do. Bounded by max_num_batched_tokens."""
 

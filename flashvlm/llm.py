@@ -28,7 +28,7 @@ class LLM:
                  kernel_backend: str = "triton", enforce_eager: bool = False, preprocess_on_gpu: bool = False,
                  enable_prefix_caching: bool = True,
                  encoder_cache_tokens: int = 8192, max_running_per_group: dict[str, int] | None = None,
-                 prefill_graph_max_tokens: int = 512, vision_graphs: int = 4) -> None:
+                 prefill_graph_max_tokens: int = 2048, vision_graphs: int = 4) -> None:
         if model is None:
             from flashvlm.models.default import default_model_path
 

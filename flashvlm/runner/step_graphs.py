@@ -27,19 +27,29 @@ from flashvlm.models.interfaces import VLModel
 logger = logging.getLogger(__name__)
 
 _SEQ_BUCKETS = (1, 4, 16, 64, 256)
+_MIXED_MAX_TOKENS = 512
+"""Above this, buckets serve a single sequence's prefill chunk only, in steps of _LARGE_STEP tokens."""
+_LARGE_STEP = 128
 
 
 def step_buckets(max_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
-    """(tokens, sequences) pairs: tokens 16, 32, ... up to max_tokens; sequences 1, 4, 16, 64, 256 and
-    max_num_seqs, never more sequences than tokens. Few shapes keep capture short; padding wastes at most half."""
+    """(tokens, sequences) pairs. Up to 512 tokens: 16, 32, ... tokens x 1, 4, 16, 64, 256 and max_num_seqs
+    sequences (never more sequences than tokens), for extends and mixed batches; padding wastes at most half.
+    Above: one sequence, every 128 tokens up to max_tokens, for a whole prompt's prefill (an image and its
+    question), where padding costs compute and 128-token steps bound it to a few percent."""
+    small_max = min(max_tokens, _MIXED_MAX_TOKENS)
     token_sizes, t = [], 16
-    while t < max_tokens:
+    while t < small_max:
         token_sizes.append(t)
         t *= 2
-    if max_tokens >= 16:
-        token_sizes.append(max_tokens)
+    if small_max >= 16:
+        token_sizes.append(small_max)
     seq_sizes = sorted({s for s in _SEQ_BUCKETS if s < max_num_seqs} | {max_num_seqs})
-    return [(t, s) for t in token_sizes for s in seq_sizes if s <= t]
+    buckets = [(t, s) for t in token_sizes for s in seq_sizes if s <= t]
+    large = list(range(_MIXED_MAX_TOKENS + _LARGE_STEP, max_tokens, _LARGE_STEP))
+    if max_tokens > _MIXED_MAX_TOKENS:
+        large.append(max_tokens)
+    return buckets + [(t, 1) for t in large]
 
 
 class StepGraphs:

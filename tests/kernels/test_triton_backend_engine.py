@@ -121,3 +121,5 @@ def test_step_buckets() -> None:
     assert step_buckets(100, 1) == [(16, 1), (32, 1), (64, 1), (100, 1)]
     assert max(step_buckets(512, 256)) == (512, 256)
     assert all(s <= t for t, s in step_buckets(512, 256))
+    large = [b for b in step_buckets(1100, 16) if b[0] > 512]
+    assert large == [(640, 1), (768, 1), (896, 1), (1024, 1), (1100, 1)]  # whole prompts: one sequence, fine steps
