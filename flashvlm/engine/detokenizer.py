@@ -44,6 +44,11 @@ class IncrementalDetokenizer:
         self.stop = [s for s in stop if s]
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
 
+        # The Rust tokenizer's own decode when it gives what transformers' would (no post-decode space clean-up):
+        # the Python wrapper costs several times the decode itself, twice per token of every running request.
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._fast_decode = (backend.decode if backend is not None and hasattr(backend, "decode")
+                             and not getattr(tokenizer, "clean_up_tokenization_spaces", False) else None)
         self.token_ids: list[int] = []
         # Window bounds into token_ids: text of [prefix_offset, read_offset) has been decoded into
         # self._text; tokens from read_offset on are not yet part of it (incomplete character).
@@ -89,6 +94,8 @@ class IncrementalDetokenizer:
     # --- internals ----------------------------------------------------------------------------
 
     def _decode(self, ids: list[int]) -> str:
+        if self._fast_decode is not None:
+            return self._fast_decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _decode_window(self, final: bool) -> None:

@@ -43,6 +43,14 @@ class PositionStore:
         self._prompt.pop(request_id, None)
         self._delta.pop(request_id, None)
 
+    def decode_position(self, request_id: str, index: int) -> int | None:
+        """Position of generated token `index` (the same on every M-RoPE axis), or None inside the prompt."""
+        prompt_len = self._prompt[request_id].shape[-1]
+        return index + self._delta[request_id] if index >= prompt_len else None
+
+    def is_mrope(self, request_id: str) -> bool:
+        return self._prompt[request_id].ndim == 2
+
     def slice(self, request_id: str, start: int, end: int) -> np.ndarray:
         """Positions of tokens [start, end): prompt positions, then index + delta for generated tokens."""
         prompt = self._prompt[request_id]
@@ -58,6 +66,16 @@ class PositionStore:
 
 def build_step_inputs(out: SchedulerOutput, positions: PositionStore, block_size: int,
                       device: torch.device) -> StepInputs:
+    if all(s.num_new_tokens == 1 for s in out.scheduled):
+        fast = _decode_step_inputs(out, positions, block_size, device)
+        if fast is not None:
+            return fast
+    return general_step_inputs(out, positions, block_size, device)
+
+
+def general_step_inputs(out: SchedulerOutput, positions: PositionStore, block_size: int,
+                        device: torch.device) -> StepInputs:
+    """Any step: prefill chunks, decode tokens, or both (numpy per request)."""
     scheduled = out.scheduled
     counts = [s.num_new_tokens for s in scheduled]
     query_start = np.zeros(len(scheduled) + 1, dtype=np.int64)
@@ -96,6 +114,47 @@ def build_step_inputs(out: SchedulerOutput, positions: PositionStore, block_size
     return StepInputs(input_ids=dev(ids, torch.int64), positions=dev(pos, torch.int64), attn_meta=meta,
                       sample_rows=dev(np.asarray(sample_rows, dtype=np.int64), torch.int64),
                       sample_request_ids=sample_ids)
+
+
+def _decode_step_inputs(out: SchedulerOutput, positions: PositionStore, block_size: int,
+                        device: torch.device) -> StepInputs | None:
+    """The same inputs for a step of one new token per request, built with plain lists: numpy's per-call cost,
+    paid several times per request, dominated a large decode batch's host time. None if a token lies inside
+    its prompt (a resumed prefill's last token), which the general path handles."""
+    scheduled = out.scheduled
+    ids, slots, seq_lens, pos, sample_rows, sample_ids = [], [], [], [], [], []
+    for i, s in enumerate(scheduled):
+        req, index = s.request, s.start
+        p = positions.decode_position(req.request_id, index)
+        if p is None:
+            return None
+        n = len(req.prompt_token_ids)
+        ids.append(req.output_token_ids[index - n] if index >= n else req.prompt_token_ids[index])
+        slots.append(s.block_ids[index // block_size] * block_size + index % block_size)
+        seq_lens.append(index + 1)
+        pos.append(p)
+        if s.samples:
+            sample_rows.append(i)
+            sample_ids.append(req.request_id)
+    num = len(scheduled)
+    max_blocks = max(len(s.block_ids) for s in scheduled)
+    block_tables = np.zeros((num, max_blocks), dtype=np.int32)
+    for i, s in enumerate(scheduled):
+        block_tables[i, : len(s.block_ids)] = s.block_ids
+    mrope = positions.is_mrope(scheduled[0].request.request_id)
+
+    def dev(values: list[int] | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=dtype).to(device=device, non_blocking=True)
+
+    position_tensor = dev(pos, torch.int64)
+    if mrope:
+        position_tensor = position_tensor.expand(3, num).contiguous()
+    meta = AttentionMetadata(
+        query_start_loc=dev(list(range(num + 1)), torch.int32), seq_lens=dev(seq_lens, torch.int32),
+        block_tables=dev(block_tables, torch.int32), slot_mapping=dev(slots, torch.int64), block_size=block_size,
+        query_start_loc_host=list(range(num + 1)), seq_lens_host=seq_lens, max_query_len=1, max_seq_len=max(seq_lens))
+    return StepInputs(input_ids=dev(ids, torch.int64), positions=position_tensor, attn_meta=meta,
+                      sample_rows=dev(sample_rows, torch.int64), sample_request_ids=sample_ids)
 
 
 def _token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:

@@ -249,3 +249,20 @@ def test_sentencepiece_first_token_has_no_leading_space() -> None:
     detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=True, stop=[])
     shown = "".join(detok.append([i]) for i in out) + detok.flush()
     assert shown == "world hello"
+
+
+def test_fast_backend_decode_only_where_it_equals_transformers(tokenizer: Any) -> None:
+    """The Rust decode stands in for transformers' only without the clean-up of tokenization spaces (which the
+    wrapper applies after decoding); there it gives the same text."""
+    detok = IncrementalDetokenizer(tokenizer, [])
+    assert detok._fast_decode is not None
+    rng = random.Random(5)
+    for _ in range(20):
+        ids = tokenizer.encode(random_text(rng), add_special_tokens=False)
+        for skip in (True, False):
+            assert detok._fast_decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+    tokenizer.clean_up_tokenization_spaces = True
+    try:
+        assert IncrementalDetokenizer(tokenizer, [])._fast_decode is None
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False
