@@ -61,6 +61,7 @@ class Batcher:
         self.proc = QwenImageProcessor.from_config(qwen_preprocessor_config(PIXELS, PIXELS))
         grid = self.proc.grid_thw(IMAGE_SIZE, IMAGE_SIZE)
         self.num_image_tokens = self.proc.num_image_tokens(grid)
+        self.patches_per_image = grid[0] * grid[1] * grid[2]
         merge = self.proc.merge_size
         self.merged_grid = (grid[0], grid[1] // merge, grid[2] // merge)
         self.pad = tokenizer.pad_token_id
@@ -122,6 +123,40 @@ class StepBatches(torch.utils.data.Dataset):
         return self.batcher([make_example(self.seed, start + i) for i in range(self.batch_size)], "cpu")
 
 
+def batch_vision_attention(model, patches_per_image: int) -> None:
+    """Make the transformers model's vision attention one SDPA call over all images of a batch.
+
+    transformers runs it image by image (a host sync and a kernel per image, per layer, forward and backward:
+    the bulk of a training step for this small model). Every scene has the same size, so the images' patches
+    form equal segments and one batched call computes the same per-image attention. Training-time only: the
+    saved checkpoint does not change."""
+    import torch.nn.functional as F
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as hf
+
+    for module in model.modules():
+        if not isinstance(module, hf.VisionAttention):
+            continue
+
+        def forward(hidden_states, cu_seqlens, position_embeddings=None, max_seqlen=None, _m=module,
+                    _original=module.forward, **kwargs):
+            n = hidden_states.shape[0]
+            if n % patches_per_image:
+                return _original(hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)
+            q, k, v = _m.qkv(hidden_states).reshape(n, 3, _m.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+            q, k = hf.apply_rotary_pos_emb_vision(q, k, *position_embeddings)
+            images = n // patches_per_image
+            _m.batched_attention_calls += 1
+
+            def split(x: torch.Tensor) -> torch.Tensor:  # (n, heads, dim) -> (images, heads, patches, dim)
+                return x.reshape(images, patches_per_image, _m.num_heads, -1).transpose(1, 2)
+
+            out = F.scaled_dot_product_attention(split(q), split(k), split(v), scale=_m.scaling)
+            return _m.proj(out.transpose(1, 2).reshape(n, -1))
+
+        module.forward = forward
+        module.batched_attention_calls = 0
+
+
 def _one_thread(_: int) -> None:
     torch.set_num_threads(1)  # many loader processes, each with a thread per core, would oversubscribe the CPU
 
@@ -135,6 +170,7 @@ def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: s
     config = demo_config(tokenizer)
     model = Qwen2VLForConditionalGeneration(config).to(device).train()
     batcher = Batcher(tokenizer, config.image_token_id)
+    batch_vision_attention(model, batcher.patches_per_image)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(

@@ -67,3 +67,24 @@ def test_batcher_positions_equal_transformers_rope_index() -> None:
     real = batch["attention_mask"].bool()
     assert torch.equal(batch["position_ids"][:, real], ref[:, real])
     assert len(set(batch["attention_mask"].sum(1).tolist())) > 1  # rows of different lengths: padding covered
+
+
+def test_batched_vision_attention_equals_transformers_per_image_loop() -> None:
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from flashvlm.demo.scenes import make_example
+    from flashvlm.demo.train import batch_vision_attention, demo_config, demo_tokenizer
+
+    tok = demo_tokenizer()
+    cfg = demo_config(tok)
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(cfg).eval()
+    batcher = Batcher(tok, cfg.image_token_id)
+    batch = batcher([make_example(1, i) for i in range(4)], "cpu")
+    with torch.no_grad():
+        ref = model(**batch).logits
+        batch_vision_attention(model, batcher.patches_per_image)
+        out = model(**batch).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    calls = [m.batched_attention_calls for m in model.modules() if hasattr(m, "batched_attention_calls")]
+    assert len(calls) == cfg.vision_config.depth and all(c == 1 for c in calls)
