@@ -122,4 +122,5 @@ def test_step_buckets() -> None:
     assert max(step_buckets(512, 256)) == (512, 256)
     assert all(s <= t for t, s in step_buckets(512, 256))
     large = [b for b in step_buckets(1100, 16) if b[0] > 512]
-    assert large == [(640, 1), (768, 1), (896, 1), (1024, 1), (1100, 1)]  # whole prompts: one sequence, fine steps
+    assert [b for b in large if b[1] == 1] == [(640, 1), (768, 1), (896, 1), (1024, 1), (1100, 1)]  # whole prompts
+    assert [b for b in large if b[1] > 1] == [(1024, 4), (1024, 16)]  # big mixed batches: coarse buckets
