@@ -5,6 +5,11 @@ A decode step of B sequences runs the graph of the smallest captured size >= B. 
 slot -1 (the KV write skips them) and seq_len 0 (decode attention returns zeros for them), so they never
 touch real cache blocks. The graphs share one memory pool. Only the Triton attention backend is
 capturable: the reference backend loops on the host.
+
+The graphs' inputs live in two device buffers (int64: token ids, positions, slots; int32: sequence lengths,
+block tables) with pinned host mirrors: a step writes its DecodeBatch into the mirrors and sends each with one
+copy, instead of a copy per array plus a device copy into each graph input. A mirror is rewritten only after
+the previous step's tokens were read back, so its last copy has completed.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 from flashvlm.attention.base import AttentionBackend, AttentionMetadata
 from flashvlm.layers.attention import ForwardContext
 from flashvlm.models.interfaces import VLModel
+from flashvlm.runner.inputs import DecodeBatch
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +45,22 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_num_seqs)
         n = self.sizes[-1]
         max_blocks = (max_model_len + block_size - 1) // block_size
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros((3, n) if model.uses_mrope else (n,), dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
+        axes = 3 if model.uses_mrope else 1
+        pin = device.type == "cuda"
+        self._i64 = torch.zeros((2 + axes) * n, dtype=torch.long, device=device)
+        self._i32 = torch.zeros(n + n * max_blocks, dtype=torch.int32, device=device)
+        self._h64 = torch.zeros(self._i64.shape, dtype=torch.long, pin_memory=pin)
+        self._h32 = torch.zeros(self._i32.shape, dtype=torch.int32, pin_memory=pin)
+        self.input_ids = self._i64[:n]
+        self.positions = self._i64[n:(1 + axes) * n].view(axes, n) if axes == 3 else self._i64[n:2 * n]
+        self.slot_mapping = self._i64[(1 + axes) * n:]
+        self.seq_lens = self._i32[:n]
+        self.block_tables = self._i32[n:].view(n, max_blocks)
+        # numpy views of the pinned mirrors, in the same layout, for the host writes
+        h64, h32 = self._h64.numpy(), self._h32.numpy()
+        self._h_ids, self._h_pos, self._h_slots = h64[:n], h64[n:(1 + axes) * n].reshape(axes, n), h64[(1 + axes) * n:]
+        self._h_lens, self._h_tables = h32[:n], h32[n:].reshape(n, max_blocks)
+        self._h_slots.fill(-1)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.max_model_len = max_model_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -95,17 +112,33 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Replay for a decode batch of meta.num_seqs rows; returns logits (num_seqs, vocab)."""
-        b = meta.num_seqs
+    def run(self, batch: DecodeBatch) -> torch.Tensor:
+        """Replay for a decode batch; returns the logits of its sampled rows (len(sample_rows), vocab). Without a
+        captured graph of that size (CPU tests) the same body runs eagerly on the same buffers."""
+        b = batch.num_seqs
         size = self.padded_size(b)
-        self.input_ids[:b].copy_(input_ids, non_blocking=True)
-        self.positions[..., :b].copy_(positions, non_blocking=True)
-        self.slot_mapping[:b].copy_(meta.slot_mapping, non_blocking=True)
-        self.slot_mapping[b:size].fill_(-1)
-        self.seq_lens[:b].copy_(meta.seq_lens, non_blocking=True)
-        self.seq_lens[b:size].zero_()
-        width = meta.block_tables.shape[1]
-        self.block_tables[:b, :width].copy_(meta.block_tables, non_blocking=True)
-        self.graphs[size].replay()
-        return self.outputs[size][:b]
+        if size is None:
+            raise ValueError(f"a decode batch of {b} exceeds the largest graph ({self.sizes[-1]})")
+        self._h_ids[:b] = batch.token_ids
+        self._h_pos[:, :b] = batch.positions  # every axis: generated tokens advance all three together
+        self._h_slots[:b] = batch.slots
+        self._h_slots[b:size] = -1
+        self._h_lens[:b] = batch.seq_lens
+        self._h_lens[b:size] = 0
+        for i, blocks in enumerate(batch.block_ids):
+            # Entries past a row's blocks may be stale: attention reads only the blocks its seq_len covers.
+            self._h_tables[i, : len(blocks)] = blocks
+        rows = self._h_tables.shape[1] * b
+        self._i64.copy_(self._h64, non_blocking=True)
+        self._i32[: self.seq_lens.shape[0] + rows].copy_(self._h32[: self.seq_lens.shape[0] + rows],
+                                                          non_blocking=True)
+        graph = self.graphs.get(size)
+        if graph is None:
+            with torch.inference_mode():
+                logits = self._forward(size)[:b]
+        else:
+            graph.replay()
+            logits = self.outputs[size][:b]
+        if batch.sample_rows == list(range(b)):
+            return logits
+        return logits.index_select(0, torch.as_tensor(batch.sample_rows, device=logits.device))

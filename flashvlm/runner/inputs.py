@@ -64,15 +64,6 @@ class PositionStore:
         return np.concatenate(parts, axis=-1)
 
 
-def build_step_inputs(out: SchedulerOutput, positions: PositionStore, block_size: int,
-                      device: torch.device) -> StepInputs:
-    if all(s.num_new_tokens == 1 for s in out.scheduled):
-        fast = _decode_step_inputs(out, positions, block_size, device)
-        if fast is not None:
-            return fast
-    return general_step_inputs(out, positions, block_size, device)
-
-
 def general_step_inputs(out: SchedulerOutput, positions: PositionStore, block_size: int,
                         device: torch.device) -> StepInputs:
     """Any step: prefill chunks, decode tokens, or both (numpy per request)."""
@@ -116,45 +107,70 @@ def general_step_inputs(out: SchedulerOutput, positions: PositionStore, block_si
                       sample_request_ids=sample_ids)
 
 
-def _decode_step_inputs(out: SchedulerOutput, positions: PositionStore, block_size: int,
-                        device: torch.device) -> StepInputs | None:
-    """The same inputs for a step of one new token per request, built with plain lists: numpy's per-call cost,
-    paid several times per request, dominated a large decode batch's host time. None if a token lies inside
-    its prompt (a resumed prefill's last token), which the general path handles."""
+@dataclass
+class DecodeBatch:
+    """A step of one generated token per request, on the host: what both the eager path (as device tensors)
+    and the decode graphs (through their pinned staging buffers) are built from."""
+
+    token_ids: list[int]
+    positions: list[int]
+    """Position of each token; the same on every M-RoPE axis for generated tokens."""
+    mrope: bool
+    slots: list[int]
+    seq_lens: list[int]
+    block_ids: list[list[int]]
+    sample_rows: list[int]
+    sample_request_ids: list[str]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.token_ids)
+
+
+def decode_batch(out: SchedulerOutput, positions: PositionStore, block_size: int) -> DecodeBatch | None:
+    """The step as a DecodeBatch when every request computes one generated token, else None (a prefill chunk,
+    or a resumed prefill's last prompt token, which the general path handles). Plain lists: numpy's per-call
+    cost, paid several times per request, dominated a large decode batch's host time."""
     scheduled = out.scheduled
+    if not scheduled or any(s.num_new_tokens != 1 for s in scheduled):
+        return None
     ids, slots, seq_lens, pos, sample_rows, sample_ids = [], [], [], [], [], []
     for i, s in enumerate(scheduled):
         req, index = s.request, s.start
         p = positions.decode_position(req.request_id, index)
         if p is None:
             return None
-        n = len(req.prompt_token_ids)
-        ids.append(req.output_token_ids[index - n] if index >= n else req.prompt_token_ids[index])
+        ids.append(req.output_token_ids[index - len(req.prompt_token_ids)])
         slots.append(s.block_ids[index // block_size] * block_size + index % block_size)
         seq_lens.append(index + 1)
         pos.append(p)
         if s.samples:
             sample_rows.append(i)
             sample_ids.append(req.request_id)
-    num = len(scheduled)
-    max_blocks = max(len(s.block_ids) for s in scheduled)
-    block_tables = np.zeros((num, max_blocks), dtype=np.int32)
-    for i, s in enumerate(scheduled):
-        block_tables[i, : len(s.block_ids)] = s.block_ids
-    mrope = positions.is_mrope(scheduled[0].request.request_id)
+    return DecodeBatch(ids, pos, positions.is_mrope(scheduled[0].request.request_id), slots, seq_lens,
+                       [s.block_ids for s in scheduled], sample_rows, sample_ids)
+
+
+def decode_step_inputs(batch: DecodeBatch, block_size: int, device: torch.device) -> StepInputs:
+    num = batch.num_seqs
+    block_tables = np.zeros((num, max(len(b) for b in batch.block_ids)), dtype=np.int32)
+    for i, blocks in enumerate(batch.block_ids):
+        block_tables[i, : len(blocks)] = blocks
 
     def dev(values: list[int] | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(values, dtype=dtype).to(device=device, non_blocking=True)
 
-    position_tensor = dev(pos, torch.int64)
-    if mrope:
-        position_tensor = position_tensor.expand(3, num).contiguous()
+    positions = dev(batch.positions, torch.int64)
+    if batch.mrope:
+        positions = positions.expand(3, num).contiguous()
+    qsl = list(range(num + 1))
     meta = AttentionMetadata(
-        query_start_loc=dev(list(range(num + 1)), torch.int32), seq_lens=dev(seq_lens, torch.int32),
-        block_tables=dev(block_tables, torch.int32), slot_mapping=dev(slots, torch.int64), block_size=block_size,
-        query_start_loc_host=list(range(num + 1)), seq_lens_host=seq_lens, max_query_len=1, max_seq_len=max(seq_lens))
-    return StepInputs(input_ids=dev(ids, torch.int64), positions=position_tensor, attn_meta=meta,
-                      sample_rows=dev(sample_rows, torch.int64), sample_request_ids=sample_ids)
+        query_start_loc=dev(qsl, torch.int32), seq_lens=dev(batch.seq_lens, torch.int32),
+        block_tables=dev(block_tables, torch.int32), slot_mapping=dev(batch.slots, torch.int64),
+        block_size=block_size, query_start_loc_host=qsl, seq_lens_host=batch.seq_lens, max_query_len=1,
+        max_seq_len=max(batch.seq_lens))
+    return StepInputs(input_ids=dev(batch.token_ids, torch.int64), positions=positions, attn_meta=meta,
+                      sample_rows=dev(batch.sample_rows, torch.int64), sample_request_ids=batch.sample_request_ids)
 
 
 def _token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:

@@ -15,7 +15,15 @@ from flashvlm.layers.attention import ForwardContext
 from flashvlm.models.interfaces import VLModel
 from flashvlm.request import MMItem, Request
 from flashvlm.runner.cuda_graph import DecodeGraphs
-from flashvlm.runner.inputs import PositionStore, StepInputs, build_step_inputs, single_sequence_context
+from flashvlm.runner.inputs import (
+    DecodeBatch,
+    PositionStore,
+    StepInputs,
+    decode_batch,
+    decode_step_inputs,
+    general_step_inputs,
+    single_sequence_context,
+)
 from flashvlm.runner.sampler import Sampler, make_generator
 from flashvlm.runner.step_graphs import StepGraphs
 from flashvlm.runner.vision_graphs import VisionGraphs
@@ -204,14 +212,13 @@ class ModelRunner:
             self._vision_timer.stop()
 
         self._forward_timer.start()
-        inputs = build_step_inputs(out, self.positions, self.block_size, self.device)
-        logits = self._forward_logits(out, inputs)
+        logits, sample_ids = self._forward_logits(out)
         sampled: dict[str, int] = {}
-        if inputs.sample_request_ids:
+        if sample_ids:
             by_id = {s.request.request_id: s.request for s in out.scheduled}
-            reqs = [by_id[r] for r in inputs.sample_request_ids]
+            reqs = [by_id[r] for r in sample_ids]
             if self.record_logits:
-                for r, row in zip(inputs.sample_request_ids, logits):
+                for r, row in zip(sample_ids, logits):
                     self.recorded_logits.setdefault(r, []).append(row.float().cpu())
             tokens = self.sampler(
                 logits, [r.sampling_params for r in reqs],
@@ -219,7 +226,7 @@ class ModelRunner:
                 [len(r.output_token_ids) for r in reqs], [r.eos_token_ids for r in reqs],
                 [self.generators.get(r.request_id) for r in reqs])
             self._forward_timer.stop()
-            sampled = dict(zip(inputs.sample_request_ids, tokens.tolist()))  # the step's one host sync
+            sampled = dict(zip(sample_ids, tokens.tolist()))  # the step's one host sync
         else:
             self._forward_timer.stop()
             if self.device.type == "cuda":
@@ -228,11 +235,20 @@ class ModelRunner:
                                         forward_s=self._forward_timer.seconds(), num_images=num_images)
         return sampled
 
-    def _forward_logits(self, out: SchedulerOutput, inputs: StepInputs) -> torch.Tensor:
-        """Logits of the step's sampled rows: a decode graph, a prefill/mixed-step graph, or eager."""
+    def _forward_logits(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
+        """Logits of the step's sampled rows and their request ids: a decode graph, a prefill/mixed-step graph,
+        or eager."""
+        batch = decode_batch(out, self.positions, self.block_size)
+        if batch is not None and self._decode_graph_fits(out, batch):
+            return self.graphs.run(batch), batch.sample_request_ids
+        if batch is not None:
+            inputs = decode_step_inputs(batch, self.block_size, self.device)
+        else:
+            inputs = general_step_inputs(out, self.positions, self.block_size, self.device)
+        return self._forward_inputs(out, inputs), inputs.sample_request_ids
+
+    def _forward_inputs(self, out: SchedulerOutput, inputs: StepInputs) -> torch.Tensor:
         meta = inputs.attn_meta
-        if self._graph_can_run(out, meta):
-            return self.graphs.run(inputs.input_ids, inputs.positions, meta).index_select(0, inputs.sample_rows)
         embeds = self.model.embed_tokens(inputs.input_ids)
         self._splice_image_embeddings(out, embeds)  # the vision tower's output enters before any graph
         if self.step_graphs is not None and self.step_graphs.bucket(embeds.shape[0], meta.num_seqs) is not None:
@@ -241,14 +257,10 @@ class ModelRunner:
         hidden = self.model(embeds, inputs.positions, ctx)
         return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
 
-    def _graph_can_run(self, out: SchedulerOutput, meta) -> bool:
-        """A captured graph serves steps of one new token per request, no image rows, within the ladder."""
-        if self.graphs is None or meta.max_query_len != 1 or out.encoder_inputs:
-            return False
-        if self.graphs.padded_size(meta.num_seqs) is None:
-            return False
-        return not any(item.offset < s.end and s.start < item.end
-                       for s in out.scheduled for item in s.request.mm_items)
+    def _decode_graph_fits(self, out: SchedulerOutput, batch: DecodeBatch) -> bool:
+        """The decode graphs serve generated tokens (never image rows) of batches within their ladder."""
+        return (self.graphs is not None and not out.encoder_inputs
+                and self.graphs.padded_size(batch.num_seqs) is not None)
 
     def release(self, out: SchedulerOutput) -> None:
         for h in out.free_encoder_hashes:

@@ -124,3 +124,36 @@ def test_step_buckets() -> None:
     large = [b for b in step_buckets(1100, 16) if b[0] > 512]
     assert [b for b in large if b[1] == 1] == [(640, 1), (768, 1), (896, 1), (1024, 1), (1100, 1)]  # whole prompts
     assert [b for b in large if b[1] > 1] == [(1024, 4), (1024, 16)]  # big mixed batches: coarse buckets
+
+
+def test_decode_graphs_staging_gives_the_eager_tokens(tmp_path) -> None:
+    """Decode steps through the decode graphs' pinned staging buffers (a DecodeBatch written on the host, one
+    copy per buffer, padded rows) give the eager path's tokens. On CPU the graph body runs eagerly on the same
+    buffers; on CUDA the engine captures and replays the graphs."""
+    from flashvlm.runner.cuda_graph import DecodeGraphs
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = str(build_qwen2_vl(tmp_path / "m", seed=8))
+    rng = np.random.default_rng(6)
+    prompts = [{"prompt": IMG + "One.", "images": [rng.integers(0, 256, (56, 56, 3), np.uint8)]},
+               {"prompt": "Two, text only, and longer."}, {"prompt": "Three."}]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 3, 8)]
+    opts = dict(device=device, dtype="float32", kv_cache_tokens=2048, max_num_seqs=4, attention_backend="triton",
+                kernel_backend="torch", prefill_graph_max_tokens=0)
+    expected = [o.token_ids for o in LLM(path, enforce_eager=True, **opts).generate(prompts, params)]
+    llm = LLM(path, **opts)
+    runner = llm.engine.runner
+    if device == "cpu":
+        sched = llm.engine.config.scheduler
+        runner.graphs = DecodeGraphs(runner.model, runner.backend, runner.kv_caches, sched.max_num_seqs,
+                                     sched.max_model_len, runner.block_size, runner.device)
+    sizes = []
+    run = runner.graphs.run
+
+    def counting_run(batch):
+        sizes.append(batch.num_seqs)
+        return run(batch)
+
+    runner.graphs.run = counting_run
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert 3 in sizes and any(s < 3 for s in sizes), sizes  # padded to 4, and smaller batches as requests end

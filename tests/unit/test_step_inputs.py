@@ -1,4 +1,4 @@
-"""The decode fast path of build_step_inputs builds exactly what the general path builds."""
+"""The decode fast path (DecodeBatch -> device tensors) builds exactly what the general path builds."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ def test_decode_fast_path_equals_general_path(tmp_path, family) -> None:
     build = build_qwen2_vl if family == "qwen2_vl" else build_llava
     llm = LLM(str(build(tmp_path / "m", seed=3)), device="cpu", kv_cache_tokens=4096, max_num_batched_tokens=64)
     compared = []
-    build_inputs = inputs_mod.build_step_inputs
+    make_batch = inputs_mod.decode_batch
 
-    def checking_build(out, positions, block_size, device):
-        fast = build_inputs(out, positions, block_size, device)
-        if all(s.num_new_tokens == 1 for s in out.scheduled):
-            general = inputs_mod.general_step_inputs(out, positions, block_size, device)
+    def checking_batch(out, positions, block_size):
+        batch = make_batch(out, positions, block_size)
+        if batch is not None:
+            fast = inputs_mod.decode_step_inputs(batch, block_size, torch.device("cpu"))
+            general = inputs_mod.general_step_inputs(out, positions, block_size, torch.device("cpu"))
             for name in ("input_ids", "positions", "sample_rows"):
                 assert torch.equal(getattr(fast, name), getattr(general, name)), name
             assert fast.sample_request_ids == general.sample_request_ids
@@ -30,12 +31,12 @@ def test_decode_fast_path_equals_general_path(tmp_path, family) -> None:
                 assert torch.equal(getattr(fm, name), getattr(gm, name)), name
             assert (fm.query_start_loc_host, fm.seq_lens_host, fm.max_query_len, fm.max_seq_len) == (
                 gm.query_start_loc_host, gm.seq_lens_host, gm.max_query_len, gm.max_seq_len)
-            compared.append(len(out.scheduled))
-        return fast
+            compared.append(batch.num_seqs)
+        return batch
 
     import flashvlm.runner.model_runner as runner_mod
 
-    runner_mod.build_step_inputs = checking_build
+    runner_mod.decode_batch = checking_batch
     try:
         rng = np.random.default_rng(0)
         image = "<|vision_start|><|image_pad|><|vision_end|>" if family == "qwen2_vl" else "<image>"
@@ -44,5 +45,5 @@ def test_decode_fast_path_equals_general_path(tmp_path, family) -> None:
                    for k in range(3)] + [{"prompt": "text only"}]
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     finally:
-        runner_mod.build_step_inputs = build_inputs
+        runner_mod.decode_batch = make_batch
     assert compared and max(compared) >= 2  # batched decode steps were checked
