@@ -51,20 +51,21 @@ class Engine:
         self.model = load_model(mc, self.checkpoint, config.device, self.dtype)
         set_kernel_backend(self.model, config.kernel_backend)
         self.load_time = time.perf_counter() - t0
-        self.runner = ModelRunner(config, self.model, self.dtype)
-        num_blocks = self.runner.determine_num_blocks()
-        config.cache.num_blocks = num_blocks
-        self.runner.allocate_kv_cache(num_blocks)
         cache = config.cache
-        self.scheduler = Scheduler(config.scheduler,
-                                   BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching),
-                                   EncoderCacheManager(cache.encoder_cache_tokens))
         text_cfg = self.checkpoint.text_config
         # "Caching off" (both caches off) also turns off the preprocessed-pixel cache: a cold baseline.
         caching = cache.enable_prefix_caching or cache.encoder_cache_tokens > 0
         self.input_processor = InputProcessor(self.checkpoint, text_cfg.vocab_size, self.model.image_token_id,
                                               pixel_cache_bytes=(256 << 20) if caching else 0,
                                               preprocess_device=config.device if config.preprocess_on_gpu else None)
+        self.runner = ModelRunner(config, self.model, self.dtype)
+        num_blocks = self.runner.determine_num_blocks(
+            self.input_processor.profile_items(config.scheduler.max_num_batched_tokens))
+        config.cache.num_blocks = num_blocks
+        self.runner.allocate_kv_cache(num_blocks)
+        self.scheduler = Scheduler(config.scheduler,
+                                   BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching),
+                                   EncoderCacheManager(cache.encoder_cache_tokens))
         self.tokenizer = self.checkpoint.tokenizer
         self.eos_token_ids = self.checkpoint.eos_token_ids()
         self._tracked: dict[str, _Tracked] = {}

@@ -176,6 +176,30 @@ class InputProcessor:
         items = [self._preprocess(src, kwargs, i) for i, src in enumerate(images)]
         return ProcessedPrompt(self._expand_placeholders(token_ids, items), items)
 
+    def profile_items(self, budget_tokens: int) -> list[MMItem]:
+        """Stand-ins for the heaviest vision batch one step can hold, for memory profiling: the largest image
+        a request may send (the processor's max_pixels limit), or as many fixed-size images as the step's
+        token budget covers. Pixel values are zeros: only shapes matter."""
+        import math
+
+        import torch
+
+        proc = self.image_processor
+        if isinstance(proc, QwenImageProcessor):
+            limit = proc.max_pixels_limit if proc.max_pixels_limit is not None else proc.max_pixels
+            side = max(proc.factor, math.isqrt(limit) // proc.factor * proc.factor)
+            grid = proc.grid_thw(side, side)
+            patch = 3 * proc.temporal_patch_size * proc.patch_size ** 2
+            pixels = torch.zeros(grid[0] * grid[1] * grid[2], patch)
+            num_tokens = proc.num_image_tokens(grid)
+        else:
+            cfg = self.checkpoint.hf_config
+            grid = None
+            pixels = torch.zeros(3, *proc.crop_hw)
+            num_tokens = proc.num_image_tokens(cfg.vision_config.patch_size, cfg.vision_feature_select_strategy)
+        item = MMItem(mm_hash="memory-profile", pixel_values=pixels, num_tokens=num_tokens, grid_thw=grid)
+        return [item] * max(1, budget_tokens // num_tokens)
+
     def _preprocess(self, src: Any, kwargs: dict, index: int) -> MMItem:
         try:
             img = load_image(src)

@@ -112,7 +112,7 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * spec.num_layers * self.block_size * spec.num_kv_heads * spec.head_dim * elem
 
-    def determine_num_blocks(self) -> int:
+    def determine_num_blocks(self, vision_items: list[MMItem] | None = None) -> int:
         """From kv_cache_tokens if given; else on CUDA from gpu_memory_utilization after profiling."""
         cache = self.config.cache
         if cache.kv_cache_tokens is not None:
@@ -122,7 +122,7 @@ class ModelRunner:
             tokens = sched.max_model_len * min(sched.max_num_seqs, 8)
             return tokens // self.block_size + 2
         free, total = torch.cuda.mem_get_info(self.device)
-        peak = self.profile_peak_memory()
+        peak = self.profile_peak_memory(vision_items or [])
         budget = total * cache.gpu_memory_utilization - (total - free) - peak - self.graph_memory_reserve()
         num_blocks = int(budget // self.kv_bytes_per_block())
         if num_blocks < 2:
@@ -133,8 +133,9 @@ class ModelRunner:
                     num_blocks * self.block_size, peak / 2**30)
         return num_blocks
 
-    def profile_peak_memory(self) -> int:
-        """Activation peak of a forward over a full token budget, measured on a throwaway KV cache."""
+    def profile_peak_memory(self, vision_items: list[MMItem]) -> int:
+        """Activation peak of a forward over a full token budget (measured on a throwaway KV cache) and of the
+        vision tower on the heaviest image batch a step can hold, whichever is larger."""
         n = self.config.scheduler.max_num_batched_tokens
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -152,7 +153,19 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - base - kv_bytes
         del ctx, embeds, hidden
         torch.cuda.empty_cache()
-        return int(peak * 1.1)  # headroom for fragmentation and the vision tower
+        if vision_items:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            with torch.inference_mode():
+                self.model.encode_images(vision_items)
+            torch.cuda.synchronize(self.device)
+            vision_peak = torch.cuda.max_memory_allocated(self.device) - base
+            torch.cuda.empty_cache()
+            logger.info("activation peaks: language model %.2f GiB over %d tokens, vision tower %.2f GiB over %d "
+                        "image(s) of %d tokens", peak / 2**30, n, vision_peak / 2**30, len(vision_items),
+                        vision_items[0].num_tokens)
+            peak = max(peak, vision_peak)
+        return int(peak * 1.1)  # headroom for fragmentation
 
     def graph_memory_reserve(self) -> int:
         """Memory kept out of the KV budget for the decode graphs' pool: logits and activations of the
