@@ -18,7 +18,7 @@ for size in ${TPUT_SIZES-448x448 1344x1344}; do
     --max-num-batched-tokens 4096 --gpu-memory-utilization 0.5 --baseline transformers
 done
 [ -z "${TPUT_ONLY:-}" ] || exit 0
-bench lat_1008x756 sweep --sweep-scenario latency --image-size 1008x756 --num-requests 5 --max-num-seqs 16 \
+bench lat_1008x756 sweep --sweep-scenario latency --image-size 1008x756 --num-requests 5 --warmup 2 --max-num-seqs 16 \
   --max-num-batched-tokens 4096 --gpu-memory-utilization 0.5 --baseline transformers \
   --configs '[{"name": "decode-graphs-only", "prefill_graph_max_tokens": 0, "vision_graphs": 0}, {"name": "all-graphs"}, {"name": "all-graphs+gpu-preprocess", "preprocess_on_gpu": true}]' 
 python3 scripts/gpu_profile.py 2>&1 | grep -v "incorrect regex" | tee -a "$OUT/run.log"
