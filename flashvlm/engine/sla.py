@@ -204,6 +204,7 @@ class AdaptiveBudgetController:
     their next token, and one with no room for prefill would stop admitting anyone, so under overload every queue
     (gold's too) would grow without bound. Measured on the H200 (docs/BENCHMARKS.md, 2026-11-29): without that
     allowance the budget fell to the batch size under a 40 req/s overload and gold waited 9 s for a first token.
+    A max_budget at or below decode count + min_prefill_tokens therefore pins the budget at max_budget.
     Not thread-safe: call from the engine's step loop.
     """
 

@@ -8,7 +8,9 @@ with the same boundaries in every block, and no call syncs the device.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -32,10 +34,28 @@ def _device_groups(cu_seqlens: tuple[int, ...], device: torch.device) -> tuple[t
     return tuple((length, torch.from_numpy(idx).to(device, non_blocking=True)) for length, idx in _groups(cu_seqlens))
 
 
+_recorders: list[list] = []
+
+
+@contextlib.contextmanager
+def keep_index_tensors() -> Iterator[list]:
+    """Collect the gather/scatter index tensors varlen_attention uses inside the block. A CUDA graph captured
+    there reads them by address on every replay without calling this module, so whoever keeps the graph must
+    keep them: the LRU cache alone would free them once 64 other segment layouts have been seen."""
+    used: list = []
+    _recorders.append(used)
+    try:
+        yield used
+    finally:
+        _recorders.remove(used)
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
                      scale: float | None = None) -> torch.Tensor:
     """q, k, v: (tokens, heads, dim); cu_seqlens: host list of segment boundaries -> (tokens, heads, dim)."""
     groups = _device_groups(tuple(int(c) for c in cu_seqlens), q.device)
+    for used in _recorders:
+        used.append(groups)
     if len(groups) == 1 and groups[0][1].shape[0] == 1 and groups[0][0] == q.shape[0]:
         # One segment covering everything: 4-D (1, heads, len, dim), no gather.
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],

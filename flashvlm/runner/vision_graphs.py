@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from flashvlm.layers.vision_attention import keep_index_tensors
 from flashvlm.request import MMItem
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ class _Entry:
     graph: Any
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor]
+    keepalive: list
+    """Device tensors the graph reads by address that nobody else is sure to keep (attention index tensors)."""
 
 
 class VisionGraphs:
@@ -45,6 +48,7 @@ class VisionGraphs:
         self.graph_factory = graph_factory or _CudaGraph
         self._graphs: OrderedDict[tuple, _Entry] = OrderedDict()
         self._seen: dict[tuple, int] = {}
+        self._failed: set[tuple] = set()
         self.pool = None
         self.num_captures = 0
         self.num_replays = 0
@@ -59,9 +63,15 @@ class VisionGraphs:
         if entry is None:
             patches = sum(torch.as_tensor(it.pixel_values).shape[0] for it in items)
             self._seen[key] = self._seen.get(key, 0) + 1
-            if self.max_graphs < 1 or self._seen[key] < 2 or patches > self.max_patches:
+            if self.max_graphs < 1 or self._seen[key] < 2 or patches > self.max_patches or key in self._failed:
                 return self.encode(items)
-            entry = self._capture(key, items)
+            try:
+                entry = self._capture(key, items)
+            except Exception:  # a capture can fail (another thread's CUDA call); this shape then stays eager
+                logger.warning("vision graph capture failed for grids %s; running it eagerly",
+                               [it.grid_thw for it in items], exc_info=True)
+                self._failed.add(key)
+                return self.encode(items)
         else:
             self._graphs.move_to_end(key)
         for buf, it in zip(entry.inputs, items):
@@ -73,15 +83,18 @@ class VisionGraphs:
     def _capture(self, key: tuple, items: list[MMItem]) -> _Entry:
         if len(self._graphs) >= self.max_graphs:
             self._graphs.popitem(last=False)  # its graph's memory returns to the shared pool
+            if not self._graphs:
+                self.pool = None  # no graph holds the pool any more: the next capture starts a new one
         inputs = [torch.empty(torch.as_tensor(it.pixel_values).shape, dtype=self.dtype, device=self.device)
                   for it in items]
         for buf, it in zip(inputs, items):
             buf.copy_(torch.as_tensor(it.pixel_values))
         static = [dataclasses.replace(it, pixel_values=buf) for it, buf in zip(items, inputs)]
         graph = self.graph_factory()
-        outputs = graph.capture(lambda: self.encode(static), self.pool)
+        with keep_index_tensors() as keepalive:
+            outputs = graph.capture(lambda: self.encode(static), self.pool)
         self.pool = getattr(graph, "pool", None) or self.pool
-        entry = _Entry(graph, inputs, outputs)
+        entry = _Entry(graph, inputs, outputs, keepalive)
         self._graphs[key] = entry
         self.num_captures += 1
         logger.info("captured a vision graph for grids %s", [it.grid_thw for it in items])
@@ -97,7 +110,8 @@ class _CudaGraph:
         for _ in range(2):  # settle allocations and lazily built index tensors before capture
             fn()
         torch.cuda.synchronize()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: image preprocessing threads (--preprocess-on-gpu) may issue CUDA calls meanwhile.
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             outputs = fn()
         self.pool = pool if pool is not None else self.graph.pool()
         return outputs

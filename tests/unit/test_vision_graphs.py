@@ -77,3 +77,31 @@ def test_runner_uses_vision_graphs_when_set(tmp_path) -> None:
     # One prompt at a time: each step then encodes one image of the same shape, which recurs.
     assert [llm.generate(p, params)[0].token_ids for p in prompts] == expected
     assert runner.vision_graphs.num_replays >= 1
+
+
+def test_graph_keeps_its_index_tensors_and_failed_captures_stay_eager(tmp_path) -> None:
+    llm = LLM(str(build_qwen2_vl(tmp_path / "m", seed=2)), device="cpu", kv_cache_tokens=4096, dtype="float32")
+    engine, model = llm.engine, llm.engine.runner.model
+    rng = np.random.default_rng(3)
+
+    def two_images():
+        imgs = [rng.integers(0, 256, (56, 84, 3), np.uint8) for _ in range(2)]
+        prompt = "<|vision_start|><|image_pad|><|vision_end|>" * 2 + "x"
+        return engine.process_prompt({"prompt": prompt, "images": imgs}).mm_items
+
+    graphs = VisionGraphs(model.encode_images, torch.device("cpu"), torch.float32, graph_factory=EagerGraph)
+    graphs(two_images())
+    graphs(two_images())  # captured: two equal segments go through the gather/scatter index tensors
+    (entry,) = graphs._graphs.values()
+    assert entry.keepalive, "the graph must own the index tensors it reads by address"
+
+    class FailingGraph(EagerGraph):
+        def capture(self, fn, pool):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    failing = VisionGraphs(model.encode_images, torch.device("cpu"), torch.float32, graph_factory=FailingGraph)
+    for _ in range(3):
+        batch = two_images()
+        for got, want in zip(failing(batch), model.encode_images(batch)):
+            torch.testing.assert_close(got, want)
+    assert failing.num_captures == 0 and len(failing._failed) == 1
