@@ -22,6 +22,7 @@ class EagerGraph:
             out.copy_(new)
 
 
+@torch.inference_mode()  # as the runner calls the tower; cached index tensors are inference tensors
 def test_capture_on_second_sight_replay_with_new_pixels_and_lru(tmp_path) -> None:
     llm = LLM(str(build_qwen2_vl(tmp_path / "m", seed=2)), device="cpu", kv_cache_tokens=4096, dtype="float32")
     engine, model = llm.engine, llm.engine.runner.model
@@ -79,6 +80,7 @@ def test_runner_uses_vision_graphs_when_set(tmp_path) -> None:
     assert runner.vision_graphs.num_replays >= 1
 
 
+@torch.inference_mode()
 def test_graph_keeps_its_index_tensors_and_failed_captures_stay_eager(tmp_path) -> None:
     llm = LLM(str(build_qwen2_vl(tmp_path / "m", seed=2)), device="cpu", kv_cache_tokens=4096, dtype="float32")
     engine, model = llm.engine, llm.engine.runner.model
