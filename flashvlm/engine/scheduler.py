@@ -165,10 +165,17 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         step = _StepState(budget=self.config.max_num_batched_tokens)
-        self._schedule_running(step)
+        deferred: list[Request] = []
+        self._schedule_running(step, deferred)
         # After a preemption the cache is full: admitting new work would only thrash.
         if not step.preempted:
             self._schedule_waiting(step)
+        for req in deferred:  # lower-priority prefill chunks take what admission left
+            if step.budget <= 0:
+                break
+            if (req.status is RequestStatus.RUNNING and req.request_id not in step.num_new
+                    and not self._schedule_one_running(req, step)):
+                break
 
         bm = self.block_manager
         scheduled = []
@@ -188,29 +195,40 @@ class Scheduler:
         self._left_since_last_step = []
         return output
 
-    def _schedule_running(self, step: _StepState) -> None:
-        bm = self.block_manager
+    def _schedule_running(self, step: _StepState, deferred: list[Request]) -> None:
+        """Tokens for running requests, in priority order. A request still prefilling whose priority is worse
+        than the best waiting request's is deferred (appended to `deferred`) until after admission: a waiting
+        gold request must not queue behind a running bronze prompt's next chunk. Decode tokens never wait."""
+        best_waiting = self._waiting[0].priority if self._waiting else None
         i = 0
         while i < len(self._running) and step.budget > 0:
             req = self._running[i]
             if self._never_fits_now(req):
                 self._abort_for_capacity(req)
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
-            target = req.num_computed_tokens + num_new
-            preempted_self = False
-            while not bm.allocate_slots(req.request_id, target):
-                # The tail is never before i: everything before i already has its blocks.
-                victim = self._running[-1]
-                self._preempt(victim, step)
-                if victim is req:
-                    preempted_self = True
-                    break
-            if preempted_self:
-                break  # it was the tail, so nothing is left behind it
-            step.num_new[req.request_id] = num_new
-            step.budget -= num_new
+            if (best_waiting is not None and req.priority > best_waiting
+                    and req.num_tokens - req.num_computed_tokens > 1):
+                deferred.append(req)
+                i += 1
+                continue
+            if not self._schedule_one_running(req, step):
+                break  # it preempted itself: it was the tail, so nothing is left behind it
             i += 1
+
+    def _schedule_one_running(self, req: Request, step: _StepState) -> bool:
+        """Allocate this step's tokens for a running request, preempting from the tail (the lowest priority,
+        latest arrival) while blocks run out. False if that preempted the request itself."""
+        num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
+        target = req.num_computed_tokens + num_new
+        while not self.block_manager.allocate_slots(req.request_id, target):
+            # The tail is never a request already given blocks ahead of this one in priority order.
+            victim = self._running[-1]
+            self._preempt(victim, step)
+            if victim is req:
+                return False
+        step.num_new[req.request_id] = num_new
+        step.budget -= num_new
+        return True
 
     def _schedule_waiting(self, step: _StepState) -> None:
         bm = self.block_manager

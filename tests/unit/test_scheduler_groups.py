@@ -73,3 +73,21 @@ def test_caps_are_validated() -> None:
                        scheduler=SchedulerConfig(max_running_per_group={"bronze": 0}))
     with pytest.raises(ConfigError, match="max_running_per_group"):
         cfg.validate()
+
+
+def test_waiting_higher_priority_is_served_before_a_running_lower_priority_prefill() -> None:
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8), BlockManager(256, 4),
+                      EncoderCacheManager(0))
+    bronze = Request("bronze", list(range(10, 40)), SamplingParams(max_tokens=2), priority=2, arrival_time=0.0)
+    sched.add_request(bronze)
+    first = sched.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in first.scheduled] == [("bronze", 8)]
+    sched.update(first, {})
+    gold = Request("gold", [11, 12, 13, 14, 15], SamplingParams(max_tokens=2), priority=0, arrival_time=1.0)
+    sched.add_request(gold)
+    second = sched.schedule()
+    # Gold's whole prompt goes first; bronze's next chunk takes only what is left of the 8-token budget.
+    assert [(s.request.request_id, s.num_new_tokens) for s in second.scheduled] == [("gold", 5), ("bronze", 3)]
+    sched.update(second, {"gold": 7})
+    third = sched.schedule()  # nothing waits: bronze's chunk and gold's decode token, in priority order
+    assert [(s.request.request_id, s.num_new_tokens) for s in third.scheduled] == [("gold", 1), ("bronze", 7)]
