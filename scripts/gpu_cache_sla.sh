@@ -8,7 +8,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" bench_out
 configs='[{"name": "caching-on"}, {"name": "caching-off", "enable_prefix_caching": false, "encoder_cache_tokens": 0}]'
 common="--benchmark-model qwen2-vl-7b --image-size 1008x756 --text-tokens 64 --max-model-len 4096 \
-  --max-num-batched-tokens 4096 --gpu-memory-utilization 0.5 --no-progress"
+  --max-num-batched-tokens 4096 --gpu-memory-utilization 0.5 --warmup 2 --no-progress"
 sweep() {  # name scenario args...
   local name=$1 scenario=$2; shift 2
   # shellcheck disable=SC2086
