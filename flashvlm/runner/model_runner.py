@@ -86,9 +86,9 @@ class ModelRunner:
             self.backend.max_seq_len_bound = config.scheduler.max_model_len
         self.graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
+        """Graphs for prefill and mixed steps up to config.prefill_graph_max_tokens (CUDA only)."""
         self.vision_graphs: VisionGraphs | None = None
         """Vision-tower graphs for recurring image shapes (CUDA, models whose tower is capturable)."""
-        """Graphs for prefill and mixed steps up to config.prefill_graph_max_tokens (CUDA only)."""
         # Unseeded requests draw from the engine's own generator, never torch's global one, so other torch
         # code in the process cannot change an engine's samples, and engines do not share a stream.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model.seed))
