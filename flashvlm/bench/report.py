@@ -239,7 +239,8 @@ def _ratios(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, float | None] |
     """Per run, speedups vs its baseline (> 1 = better), the convention of metrics.ratio_table.
 
     The CLI stores them in summary["ratios"] where it knows the baseline; without them, the first run of each
-    scenario is the baseline (a sweep's first configuration, the first system of a `--baseline` run)."""
+    scenario is the baseline (a sweep's first configuration, the first system of a `--baseline` run); `serve`
+    rows get none."""
     if any(isinstance((r.get("summary") or {}).get("ratios"), Mapping) for r in runs):
         return [dict((r.get("summary") or {}).get("ratios") or {}) or None for r in runs]
     base: dict[Any, Any] = {}
@@ -253,7 +254,8 @@ def _ratios(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, float | None] |
             x, b = _get(r.get("summary"), *path), _get(base[r.get("scenario")], *path)
             num, den = (x, b) if higher_better else (b, x)
             row[key] = num / den if num is not None and den else None
-        out.append(row if counts[r.get("scenario")] > 1 else None)
+        # Several serve rows are one run split by SLA tier, not systems to compare.
+        out.append(row if counts[r.get("scenario")] > 1 and r.get("scenario") != "serve" else None)
     return out
 
 

@@ -78,6 +78,7 @@ def test_serve_with_a_tier_mix_reports_each_tier(tmp_path) -> None:
     counts = {r["label"]: r["summary"]["num_success"] for r in doc["runs"]}
     assert counts["default"] == 12 and counts["default[gold]"] == sent.count("gold")
     assert counts["default[gold]"] + counts["default[bronze]"] == 12
+    assert all("ratios" not in r["summary"] for r in doc["runs"])  # tiers of one run, not systems
     by_request = {rec["request_id"]: rec["tier"] for rec in doc["runs"][0]["records"]}
     assert sorted(by_request.values()) == sorted(sent)
 
