@@ -162,13 +162,18 @@ def _one_thread(_: int) -> None:
 
 
 def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: str, log_every: int = 100,
-          workers: int = 0, validate: bool = True, max_seconds: float | None = None) -> dict:
+          workers: int = 0, validate: bool = True, max_seconds: float | None = None,
+          init_from: str | None = None) -> dict:
     from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
 
     torch.manual_seed(seed)
     tokenizer = demo_tokenizer()
     config = demo_config(tokenizer)
-    model = Qwen2VLForConditionalGeneration(config).to(device).train()
+    if init_from is None:
+        model = Qwen2VLForConditionalGeneration(config)
+    else:  # continue from an earlier run's checkpoint (weights only: a fresh optimizer and schedule)
+        model = Qwen2VLForConditionalGeneration.from_pretrained(init_from, dtype=torch.float32)
+    model = model.to(device).train()
     batcher = Batcher(tokenizer, config.image_token_id)
     batch_vision_attention(model, batcher.patches_per_image)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -228,7 +233,9 @@ def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: s
     (path / "preprocessor_config.json").write_text(json.dumps(qwen_preprocessor_config(PIXELS, PIXELS), indent=1))
     meta = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "device": device,
             "question_types": list(QUESTION_TYPES), "train_seconds": time.time() - t0,
-            "seconds_per_step": seconds_per_step, "stopped_early_at_step": stopped_at, "log": log}
+            "seconds_per_step": seconds_per_step, "stopped_early_at_step": stopped_at, "init_from": None, "log": log}
+    if init_from is not None:  # the recipe of the run continued from, so the chain can be repeated
+        meta["init_from"] = json.loads((Path(init_from) / "training.json").read_text())
     (path / "training.json").write_text(json.dumps(meta, indent=1))
     return meta
 
@@ -261,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from this earlier checkpoint's weights (its training.json is kept in the new one); "
+                        "give another --seed so the run sees new scenes")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="safety stop: end training after this many seconds and save what there is (recorded)")
     p.add_argument("--workers", type=int, default=min(8, max(0, (os.cpu_count() or 1) - 2)),
@@ -270,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         args.steps = steps_for_budget(args.time_budget_s, args.batch_size, args.lr, args.seed, args.device,
                                       args.workers)
     train(args.out, args.steps, args.batch_size, args.lr, args.seed, args.device, args.log_every, args.workers,
-          max_seconds=args.max_seconds)
+          max_seconds=args.max_seconds, init_from=args.init_from)
     return 0
 
 

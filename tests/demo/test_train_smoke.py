@@ -88,3 +88,20 @@ def test_batched_vision_attention_equals_transformers_per_image_loop() -> None:
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     calls = [m.batched_attention_calls for m in model.modules() if hasattr(m, "batched_attention_calls")]
     assert len(calls) == cfg.vision_config.depth and all(c == 1 for c in calls)
+
+
+def test_continue_training_from_a_checkpoint(tmp_path) -> None:
+    import json
+
+    first = tmp_path / "a"
+    train(str(first), steps=2, batch_size=4, lr=3e-4, seed=0, device="cpu", log_every=2)
+    # lr 0: the second run must hand back exactly the weights it started from
+    meta = train(str(tmp_path / "b"), steps=2, batch_size=4, lr=0.0, seed=1, device="cpu", log_every=2,
+                 init_from=str(first))
+    assert meta["init_from"]["seed"] == 0 and meta["init_from"]["steps"] == 2
+    saved = json.loads((tmp_path / "b" / "training.json").read_text())
+    assert saved["init_from"]["lr"] == 3e-4 and saved["seed"] == 1
+    from safetensors.torch import load_file
+
+    a, b = load_file(first / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
