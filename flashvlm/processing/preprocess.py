@@ -8,6 +8,7 @@ the patchify can run on an accelerator (``device=``); there the division may dif
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -96,6 +97,12 @@ def _normalize(arr: np.ndarray, proc: QwenImageProcessor | ClipImageProcessor,
         std = torch.tensor(proc.image_std, dtype=torch.float32, device=x.device)
         x = (x - mean) / std
     return x
+
+
+def _value_table(proc: QwenImageProcessor | ClipImageProcessor) -> torch.Tensor:
+    """(C * 256,) float32, channel-major: what `_normalize` turns each uint8 value of each channel into. The same
+    elementwise float64/float32 operations on the 256 possible values, so a lookup is bit-identical to them."""
+    return _normalize(np.arange(256, dtype=np.uint8)[:, None].repeat(3, axis=1), proc, None).T.contiguous().flatten()
 
 
 @dataclass
@@ -198,14 +205,26 @@ class QwenImageProcessor:
         h, w = self.target_size(img.height, img.width, min_pixels, max_pixels)
         if (h, w) != (img.height, img.width):
             img = img.resize((w, h), resample=self.resample)
-        x = _normalize(np.asarray(img), self, device)  # (H, W, C)
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
-        gh, gw, c = h // p, w // p, x.shape[-1]
+        gh, gw = h // p, w // p
+        if device is not None and torch.device(device).type != "cpu":
+            x = _normalize(np.asarray(img), self, device)  # (H, W, C) float32 on the device
+        else:
+            # On the host: patchify the uint8 pixels first (a quarter of the bytes), then one table lookup gives
+            # the normalized floats in their final order; about half the time of normalizing then moving floats.
+            x = torch.from_numpy(np.array(img, dtype=np.uint8, order="C"))  # writable: torch wants that
+        c = x.shape[-1]
         # Rows are ordered merge-window by merge-window (the patch merger folds m*m neighbours),
         # each row laid out as (C, T, P, P) like the Conv3d patch embedding expects.
         x = x.reshape(gh // m, m, p, gw // m, m, p, c).permute(0, 3, 1, 4, 6, 2, 5)
+        if x.dtype == torch.uint8:
+            x = torch.take(self._table, x.long() + torch.arange(0, 256 * c, 256).view(c, 1, 1))
         x = x.unsqueeze(5).expand(gh // m, gw // m, m, m, c, t, p, p)
         return x.reshape(gh * gw, c * t * p * p).contiguous(), (1, gh, gw)
+
+    @functools.cached_property
+    def _table(self) -> torch.Tensor:
+        return _value_table(self)
 
     def processor_params(self, min_pixels: int | None = None,
                          max_pixels: int | None = None) -> dict[str, Any]:
