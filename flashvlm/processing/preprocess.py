@@ -218,7 +218,8 @@ class QwenImageProcessor:
         # each row laid out as (C, T, P, P) like the Conv3d patch embedding expects.
         x = x.reshape(gh // m, m, p, gw // m, m, p, c).permute(0, 3, 1, 4, 6, 2, 5)
         if x.dtype == torch.uint8:
-            x = torch.take(self._table, x.long() + torch.arange(0, 256 * c, 256).view(c, 1, 1))
+            index = (x.to(torch.int32) + torch.arange(0, 256 * c, 256, dtype=torch.int32).view(c, 1, 1)).reshape(-1)
+            x = torch.index_select(self._table, 0, index).view(x.shape)
         x = x.unsqueeze(5).expand(gh // m, gw // m, m, m, c, t, p, p)
         return x.reshape(gh * gw, c * t * p * p).contiguous(), (1, gh, gw)
 
