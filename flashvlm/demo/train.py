@@ -1,9 +1,11 @@
 """Train the embedded demo model: a tiny Qwen2-VL-architecture VLM on the synthetic scenes of `scenes.py`.
 
-    python -m flashvlm.demo.train --out flashvlm/demo/checkpoint --steps 3000 --device cuda
+    python -m flashvlm.demo.train --out DIR --steps N --batch-size 128 --device cuda
+    python -m flashvlm.demo.train --out DIR --time-budget-s 450 --batch-size 128   # N from a timed probe
 
-Seeded end to end (tokenizer, initial weights, data order), so the same command gives the same checkpoint on
-the same hardware. The result is a normal Hugging Face folder that transformers and flashvlm both load.
+Seeded end to end (tokenizer, initial weights, data order), so the same command (with the step count a budgeted
+run recorded in training.json) gives the same checkpoint on the same hardware. The result is a normal Hugging
+Face folder that transformers and flashvlm both load.
 """
 
 from __future__ import annotations
