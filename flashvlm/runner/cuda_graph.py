@@ -17,6 +17,8 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -28,6 +30,55 @@ from flashvlm.runner.inputs import DecodeBatch
 logger = logging.getLogger(__name__)
 
 
+def capture_graph(fn: Callable[[], Any], pool: Any = None,
+                  error_mode: str = "global") -> tuple[torch.cuda.CUDAGraph, Any, Any]:
+    """Warm `fn` up twice (Triton compiles, allocations settle), then capture it into `pool` (None: a new one).
+    Returns the graph, the pool it used and fn's outputs, which the graph overwrites on every replay."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=error_mode):
+        outputs = fn()
+    return graph, pool if pool is not None else graph.pool(), outputs
+
+
+class GraphSet:
+    """Graphs keyed by shape, captured largest first into one shared pool; owners fill `self.keys` and define
+    `_forward(key)` over their fixed input buffers."""
+
+    keys: list
+    name: str = "graphs"
+
+    def __init__(self) -> None:
+        self.graphs: dict[Any, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[Any, torch.Tensor] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+        self.memory_bytes = 0
+
+    def _forward(self, key: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _reset_padding(self) -> None:
+        """Put the input buffers in a state where every row is padding (nothing written, nothing read)."""
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every key, largest first so smaller graphs reuse the pool's blocks."""
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        t0 = time.perf_counter()
+        self._reset_padding()
+        for key in sorted(self.keys, reverse=True):
+            self.graphs[key], self.pool, self.outputs[key] = capture_graph(lambda k=key: self._forward(k), self.pool)
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+        self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
+        logger.info("captured %d %s (up to %s) in %.1fs, %.0f MiB", len(self.graphs), self.name, max(self.keys),
+                    self.capture_seconds, self.memory_bytes / 2**20)
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to max_num_seqs (padding wastes at most 7 rows)."""
     sizes = [s for s in (1, 2, 4) if s < max_num_seqs]
@@ -37,12 +88,15 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
-class DecodeGraphs:
+class DecodeGraphs(GraphSet):
+    name = "decode graphs"
+
     def __init__(self, model: VLModel, backend: AttentionBackend, kv_caches: list[torch.Tensor], max_num_seqs: int,
                  max_model_len: int, block_size: int, device: torch.device) -> None:
+        super().__init__()
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.block_size = block_size
-        self.sizes = capture_sizes(max_num_seqs)
+        self.sizes = self.keys = capture_sizes(max_num_seqs)
         n = self.sizes[-1]
         max_blocks = (max_model_len + block_size - 1) // block_size
         axes = 3 if model.uses_mrope else 1
@@ -63,11 +117,6 @@ class DecodeGraphs:
         self._h_slots.fill(-1)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.max_model_len = max_model_len
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
-        self.capture_seconds = 0.0
-        self.memory_bytes = 0
 
     def _meta(self, size: int) -> AttentionMetadata:
         # Host fields describe the padded shape only; the Triton decode path reads device tensors.
@@ -84,29 +133,9 @@ class DecodeGraphs:
         positions = self.positions[..., :size]
         return self.model.compute_logits(self.model(embeds, positions, ctx))
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every size, largest first so smaller graphs reuse the pool's blocks."""
-        torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info()[0]
-        t0 = time.perf_counter()
+    def _reset_padding(self) -> None:
         self.slot_mapping.fill_(-1)
         self.seq_lens.zero_()
-        for size in reversed(self.sizes):
-            for _ in range(2):  # compile Triton kernels and settle allocations before capture
-                self._forward(size)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[size] = self._forward(size)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[size] = graph
-        torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - t0
-        self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
-        logger.info("captured %d decode graphs (batch %s) in %.1fs, %.0f MiB", len(self.sizes), self.sizes,
-                    self.capture_seconds, self.memory_bytes / 2**20)
 
     def padded_size(self, num_seqs: int) -> int | None:
         i = bisect.bisect_left(self.sizes, num_seqs)

@@ -15,16 +15,12 @@ of each sequence's last token.
 
 from __future__ import annotations
 
-import logging
-import time
-
 import torch
 
 from flashvlm.attention.base import AttentionBackend, AttentionMetadata
 from flashvlm.layers.attention import ForwardContext
 from flashvlm.models.interfaces import VLModel
-
-logger = logging.getLogger(__name__)
+from flashvlm.runner.cuda_graph import GraphSet
 
 _SEQ_BUCKETS = (1, 4, 16, 64, 256)
 _MIXED_MAX_TOKENS = 512
@@ -54,13 +50,16 @@ def step_buckets(max_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
     return buckets + [(t, 1) for t in large] + mixed
 
 
-class StepGraphs:
+class StepGraphs(GraphSet):
+    name = "prefill/mixed-step graphs"
+
     def __init__(self, model: VLModel, backend: AttentionBackend, kv_caches: list[torch.Tensor], max_tokens: int,
                  max_num_seqs: int, max_model_len: int, block_size: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
+        super().__init__()
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.block_size, self.max_model_len = block_size, max_model_len
-        self.buckets = step_buckets(max_tokens, max_num_seqs)
+        self.buckets = self.keys = step_buckets(max_tokens, max_num_seqs)
         t_max = max(t for t, _ in self.buckets)
         s_max = max(s for _, s in self.buckets)
         max_blocks = (max_model_len + block_size - 1) // block_size
@@ -71,18 +70,14 @@ class StepGraphs:
         self.seq_lens = torch.zeros(s_max, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((s_max, max_blocks), dtype=torch.int32, device=device)
         self.sample_rows = torch.zeros(s_max, dtype=torch.long, device=device)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.pool = None
-        self.capture_seconds = 0.0
-        self.memory_bytes = 0
 
     def bucket(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
         """The smallest bucket holding the step, None if the step is larger than every bucket."""
         fits = [(t, s) for t, s in self.buckets if t >= num_tokens and s >= num_seqs]
         return min(fits) if fits else None
 
-    def _forward(self, tokens: int, seqs: int) -> torch.Tensor:
+    def _forward(self, key: tuple[int, int]) -> torch.Tensor:
+        tokens, seqs = key
         # Host fields describe the bucket only: the Triton prefill kernel reads device tensors, and its tiling
         # follows max_query_len, which is the bucket's token count (an upper bound on any real chunk).
         meta = AttentionMetadata(
@@ -93,29 +88,6 @@ class StepGraphs:
         ctx = ForwardContext(attn_meta=meta, kv_caches=self.kv_caches, backend=self.backend)
         hidden = self.model(self.embeds[:tokens], self.positions[..., :tokens], ctx)
         return self.model.compute_logits(hidden.index_select(0, self.sample_rows[:seqs]))
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every bucket, largest first so smaller graphs reuse the pool's blocks."""
-        torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info()[0]
-        t0 = time.perf_counter()
-        self._reset_padding()
-        for key in sorted(self.buckets, reverse=True):
-            for _ in range(2):  # compile Triton kernels and settle allocations before capture
-                self._forward(*key)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[key] = self._forward(*key)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[key] = graph
-        torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - t0
-        self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
-        logger.info("captured %d prefill/mixed-step graphs (tokens x seqs up to %s) in %.1fs, %.0f MiB",
-                    len(self.graphs), max(self.buckets), self.capture_seconds, self.memory_bytes / 2**20)
 
     def _reset_padding(self) -> None:
         self.slot_mapping.fill_(-1)
@@ -149,7 +121,7 @@ class StepGraphs:
         graph = self.graphs.get(key)
         if graph is None:
             with torch.inference_mode():
-                return self._forward(tokens, seqs)[:k]
+                return self._forward(key)[:k]
         graph.replay()
         return self.outputs[key][:k]
 

@@ -23,6 +23,7 @@ import torch
 
 from flashvlm.layers.vision_attention import keep_index_tensors
 from flashvlm.request import MMItem
+from flashvlm.runner.cuda_graph import capture_graph
 
 logger = logging.getLogger(__name__)
 
@@ -103,17 +104,12 @@ class VisionGraphs:
 
 class _CudaGraph:
     def __init__(self) -> None:
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph = None
         self.pool = None
 
     def capture(self, fn: Callable[[], list[torch.Tensor]], pool: Any) -> list[torch.Tensor]:
-        for _ in range(2):  # settle allocations and lazily built index tensors before capture
-            fn()
-        torch.cuda.synchronize()
         # thread_local: image preprocessing threads (--preprocess-on-gpu) may issue CUDA calls meanwhile.
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            outputs = fn()
-        self.pool = pool if pool is not None else self.graph.pool()
+        self.graph, self.pool, outputs = capture_graph(fn, pool, error_mode="thread_local")
         return outputs
 
     def replay(self) -> None:
