@@ -40,11 +40,10 @@ class DecoderAttention(nn.Module):
         qkv = self.qkv_proj(x)
         # One launch rotates queries and keys in place (within an ulp of the torch path); q and k stay strided
         # views of the packed output, which the attention kernels read directly.
-        if apply_rotary_qk_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim,
-                            enabled=self.use_triton_kernels):
-            q, k, v = self.qkv_proj.split_output(qkv)
-        else:
-            q, k, v = self.qkv_proj.split_output(qkv)
+        fused = apply_rotary_qk_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim,
+                                 enabled=self.use_triton_kernels)
+        q, k, v = self.qkv_proj.split_output(qkv)
+        if not fused:
             q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin).reshape(n, -1)
             k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin).reshape(n, -1)
         return self.o_proj(self.attn(q, k, v, ctx))

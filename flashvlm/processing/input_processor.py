@@ -8,12 +8,15 @@ turn, a retry) costs a decode and a hash, not another resize + normalize + patch
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from flashvlm.models.loader import Checkpoint
 from flashvlm.processing.hashing import hash_image
@@ -180,10 +183,6 @@ class InputProcessor:
         """Stand-ins for the heaviest vision batch one step can hold, for memory profiling: the largest image
         a request may send (the processor's max_pixels limit), or as many fixed-size images as the step's
         token budget covers. Pixel values are zeros: only shapes matter."""
-        import math
-
-        import torch
-
         proc = self.image_processor
         if isinstance(proc, QwenImageProcessor):
             limit = proc.max_pixels_limit if proc.max_pixels_limit is not None else proc.max_pixels

@@ -202,7 +202,7 @@ class ModelRunner:
 
     def build_step_graphs(self, max_tokens: int) -> StepGraphs:
         sched = self.config.scheduler
-        hidden = self.model.embed_tokens(torch.zeros(1, dtype=torch.long, device=self.device)).shape[-1]
+        hidden = self.model.language_model.embed_tokens.embedding_dim
         return StepGraphs(self.model, self.backend, self.kv_caches, max_tokens, sched.max_num_seqs,
                           sched.max_model_len, self.block_size, hidden, self.dtype, self.device)
 

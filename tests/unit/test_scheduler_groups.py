@@ -75,6 +75,13 @@ def test_caps_are_validated() -> None:
         cfg.validate()
 
 
+@pytest.mark.parametrize("field", ["vision_graphs", "prefill_graph_max_tokens"])
+def test_graph_settings_are_validated(field: str) -> None:
+    cfg = EngineConfig(model=ModelConfig(model="x"), device="cpu", **{field: -1})
+    with pytest.raises(ConfigError, match=field):
+        cfg.validate()
+
+
 def test_waiting_higher_priority_is_served_before_a_running_lower_priority_prefill() -> None:
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8), BlockManager(256, 4),
                       EncoderCacheManager(0))

@@ -112,11 +112,10 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         qkv = self.qkv(x)
         # One launch for q and k instead of seven each: the tower runs eagerly, so launches are its host cost.
-        if apply_rotary_qk_(qkv, cos, sin, 2 * self.num_heads, self.head_dim, enabled=self.use_triton_kernels,
-                            fp32_math=True):
-            q, k, v = qkv.view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        else:
-            q, k, v = qkv.view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        fused = apply_rotary_qk_(qkv, cos, sin, 2 * self.num_heads, self.head_dim, enabled=self.use_triton_kernels,
+                                 fp32_math=True)
+        q, k, v = qkv.view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        if not fused:
             q, k = apply_vision_rotary(q, cos, sin), apply_vision_rotary(k, cos, sin)
         return self.proj(varlen_attention(q, k, v, cu_seqlens).reshape(n, -1))
 
