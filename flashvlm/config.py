@@ -50,6 +50,10 @@ class SchedulerConfig:
     max_running_per_group: dict[str, int] = field(default_factory=dict)
     """Most running requests per scheduling group (the server's SLA tiers: their share and max_batch); a
     group at its cap waits while requests of other groups behind it are admitted. Groups not named: no cap."""
+    shared_prefix_wait_tokens: int = 256
+    """A waiting request whose next uncached prompt blocks (this many tokens or more, e.g. a repeated image's
+    placeholders) are being computed right now by a running request waits until they are cached, and lets
+    requests behind it go first: it then reuses them instead of computing a copy. 0 = never wait."""
 
 
 @dataclass
@@ -95,6 +99,8 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
         if s.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
+        if s.shared_prefix_wait_tokens < 0:
+            raise ConfigError(f"shared_prefix_wait_tokens must be >= 0, got {s.shared_prefix_wait_tokens}")
         for group, cap in s.max_running_per_group.items():
             if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
                 raise ConfigError(f"max_running_per_group[{group!r}] must be a positive integer, got {cap!r}")

@@ -8,7 +8,8 @@ its hash and goes to the end of the free list, so it can be revived by a later r
 same prefix until allocation reaches it at the front of the list (LRU) and reuses it.
 
 Invariants (check_invariants): a block has a hash iff the hash map points at it; ref_cnt equals
-the number of tables holding it; ref_cnt == 0 iff it is on the free list.
+the number of tables holding it; ref_cnt == 0 iff it is on the free list; the in-flight counts are
+those of the running requests' uncomputed prompt blocks.
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ class BlockManager:
         # change), and how many leading blocks of its current table are done hashing.
         self._req_hashes: dict[str, list[int]] = {}
         self._num_hashed: dict[str, int] = {}
+        # Blocks that running requests are about to compute: hash -> how many will. A waiting request whose
+        # next blocks are among them can wait a step or two and then hit the cache instead of computing a copy.
+        self._in_flight: dict[int, int] = {}
+        self._req_in_flight: dict[str, tuple[int, list[int]]] = {}  # rid -> (index of its first, hashes)
         self.prefix_stats = PrefixCacheStats()
         self.num_evicted_blocks = 0
         """Cached blocks reused for other content (LRU eviction)."""
@@ -145,6 +150,7 @@ class BlockManager:
         blocks = self._req_blocks.pop(request_id, None)
         self._req_block_ids.pop(request_id, None)
         self._num_hashed.pop(request_id, None)
+        self._settle_in_flight(request_id, None)
         if not blocks:
             return
         # Tail blocks first: a prompt's leading blocks are the likeliest to be reused, so they
@@ -214,12 +220,57 @@ class BlockManager:
                 block.block_hash = h
                 self._cached_blocks[h] = block
         self._num_hashed[rid] = full
+        self._settle_in_flight(rid, full)
+
+    def mark_in_flight(self, req: Request, num_cached_blocks: int) -> None:
+        """A request was admitted with `num_cached_blocks` from the cache: its other full prompt blocks (as far
+        as find_cached_prefix hashed them) are in flight until computed or freed."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._req_hashes.get(req.request_id, [])[num_cached_blocks:]
+        self._settle_in_flight(req.request_id, None)
+        self._req_in_flight[req.request_id] = (num_cached_blocks, hashes)
+        for h in hashes:
+            self._in_flight[h] = self._in_flight.get(h, 0) + 1
+
+    def num_in_flight_blocks(self, req: Request, first_block: int) -> int:
+        """How many of req's blocks from `first_block` on, consecutively, a running request is computing now
+        (req's chain as hashed by find_cached_prefix)."""
+        n = 0
+        for h in self._req_hashes.get(req.request_id, [])[first_block:]:
+            if h not in self._in_flight:
+                break
+            n += 1
+        return n
+
+    def _settle_in_flight(self, request_id: str, done_blocks: int | None) -> None:
+        """Release the request's in-flight blocks below `done_blocks` (computed), or all of them (None)."""
+        entry = self._req_in_flight.get(request_id)
+        if entry is None:
+            return
+        first, hashes = entry
+        cut = len(hashes) if done_blocks is None else max(0, min(len(hashes), done_blocks - first))
+        for h in hashes[:cut]:
+            left = self._in_flight[h] - 1
+            if left:
+                self._in_flight[h] = left
+            else:
+                del self._in_flight[h]
+        if cut == len(hashes):
+            del self._req_in_flight[request_id]
+        else:
+            self._req_in_flight[request_id] = (first + cut, hashes[cut:])
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (benchmarks measuring a cold cache). Held blocks stay valid."""
         for block in self._cached_blocks.values():
             block.block_hash = None
         self._cached_blocks.clear()
+
+    @property
+    def num_in_flight_hashes(self) -> int:
+        """Distinct blocks running requests are computing that waiting ones may wait for (0 when idle: tests)."""
+        return len(self._in_flight)
 
     # ---- checks ------------------------------------------------------------------------
 
@@ -253,3 +304,9 @@ class BlockManager:
         for rid, n in self._num_hashed.items():
             assert n <= len(self._req_blocks.get(rid, ())), f"{rid}: more blocks hashed than owned"
         assert len(self._free) + len(holders) == self.num_usable_blocks, "a block is lost"
+        counts: dict[int, int] = {}
+        for rid, (_, hashes) in self._req_in_flight.items():
+            assert rid in self._req_blocks, f"{rid}: blocks in flight but it holds none"
+            for h in hashes:
+                counts[h] = counts.get(h, 0) + 1
+        assert counts == self._in_flight, "in-flight block counts out of sync"

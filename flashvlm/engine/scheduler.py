@@ -251,6 +251,9 @@ class Scheduler:
                 continue
             # Waiting requests (new or preempted) hold no blocks and have num_computed_tokens == 0.
             prefix = bm.find_cached_prefix(req)
+            if self._waits_for_in_flight(req, len(prefix)):
+                i += 1  # its shared blocks are being computed: cached hits in a step or two
+                continue
             num_hit = len(prefix) * bm.block_size
             num_new = min(req.num_tokens - num_hit, step.budget)
             target = num_hit + num_new
@@ -259,11 +262,19 @@ class Scheduler:
                 break  # no skipping ahead: later requests have equal or lower priority
             self._waiting.pop(i)
             running_in[req.group] = running_in.get(req.group, 0) + 1
+            bm.mark_in_flight(req, len(prefix))
             self._admitted(req, num_hit)
             req.status = RequestStatus.RUNNING
             bisect.insort(self._running, req, key=self._key)
             step.num_new[req.request_id] = num_new
             step.budget -= num_new
+
+    def _waits_for_in_flight(self, req: Request, num_cached_blocks: int) -> bool:
+        """Worth waiting only for a long shared run (an image's placeholders, a long document): a short one
+        (a shared system prompt) would cost a step of latency to save little."""
+        wait = self.config.shared_prefix_wait_tokens
+        bm = self.block_manager
+        return wait > 0 and bm.num_in_flight_blocks(req, num_cached_blocks) * bm.block_size >= wait
 
     def _admitted(self, req: Request, num_hit: int) -> None:
         req.num_computed_tokens = num_hit

@@ -50,9 +50,9 @@ def expected_output(prompt: list[int], max_tokens: int, mm: list[MMItem] | None 
 
 def make_sched(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                budget: int = 32, max_model_len: int = 0, prefix_caching: bool = False,
-               encoder_cache_tokens: int = 0) -> Scheduler:
+               encoder_cache_tokens: int = 0, shared_prefix_wait_tokens: int = 0) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                     max_model_len=max_model_len),
+                                     max_model_len=max_model_len, shared_prefix_wait_tokens=shared_prefix_wait_tokens),
                      BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching),
                      EncoderCacheManager(encoder_cache_tokens))
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import random
 
-from test_scheduler import FakeRunner, drive, expected_output, image, make_sched, step
+import pytest
+from test_scheduler import FakeRunner, drive, expected_output, ids, image, make_sched, step
 
 from flashvlm.request import MMItem, Request, RequestStatus, SamplingParams
 
@@ -113,6 +114,57 @@ def test_identical_requests_in_one_step_compute_twice_then_share() -> None:
     assert all(r.output_token_ids == reqs[0].output_token_ids for r in reqs)
 
 
+def test_twin_waits_for_blocks_in_flight_then_hits_while_others_go_first() -> None:
+    """With shared_prefix_wait_tokens on, a request whose next blocks a running request is computing waits
+    (letting an unrelated request behind it start) and is then admitted onto the cached blocks."""
+    sched, runner = caching_sched(shared_prefix_wait_tokens=8)
+    a, b = (twin(r, list(range(1, 20)), [image("X", 2, 9)]) for r in "ab")
+    other = twin("c", list(range(40, 52)))
+    for r in (a, b, other):
+        sched.add_request(r)
+    out, _ = step(sched, runner)
+    assert ids(out) == ["a", "c"]  # b waits: a is computing its 4 full blocks right now
+    assert sched.block_manager.num_in_flight_hashes == 0  # a's prompt is done, its blocks cached
+    out, _ = step(sched, runner)
+    assert [(s.request.request_id, s.start) for s in out.scheduled if s.request is b] == [("b", 16)]
+    drive(sched, runner)
+    assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 16) and runner.encoded == ["X"]
+    assert b.output_token_ids == a.output_token_ids == expected_output(a.prompt_token_ids, 3, a.mm_items)
+
+
+def test_short_shared_run_does_not_wait() -> None:
+    """Below the threshold (here 2 shared blocks of 4 against a wait of 12 tokens) both start at once."""
+    sched, runner = caching_sched(shared_prefix_wait_tokens=12)
+    a, b = twin("a", list(range(1, 10))), twin("b", list(range(1, 9)) + [70, 71])
+    sched.add_request(a)
+    sched.add_request(b)
+    out, _ = step(sched, runner)
+    assert ids(out) == ["a", "b"]
+
+
+def test_waiting_twin_is_admitted_when_the_owner_is_preempted() -> None:
+    """The owner of the in-flight blocks is preempted before computing them: its claim goes with it, so
+    the waiter is admitted instead of waiting on blocks nobody is computing."""
+    sched, runner = caching_sched(shared_prefix_wait_tokens=8, budget=8, num_blocks=12)
+    low = twin("low", list(range(1, 30)), max_tokens=2)
+    low.priority = 1
+    sched.add_request(low)
+    step(sched, runner)  # low computes its first 8 tokens; 20 more (5 blocks) are in flight
+    assert sched.block_manager.num_in_flight_hashes == 5
+    twin_of_low = twin("twin", list(range(1, 30)), max_tokens=2)
+    twin_of_low.priority = 1
+    sched.add_request(twin_of_low)
+    out, _ = step(sched, runner)
+    assert ids(out) == ["low"]  # the twin waits for low's blocks
+    hog = twin("hog", list(range(100, 130)), max_tokens=2)  # priority 0 needs the whole cache
+    sched.add_request(hog)
+    finished = drive(sched, runner)
+    assert low.num_preemptions >= 1
+    for r in (low, twin_of_low, hog):
+        assert finished[r.request_id].output_token_ids == expected_output(r.prompt_token_ids, 2)
+    assert sched.block_manager.num_in_flight_hashes == 0
+
+
 def test_preempting_a_request_that_holds_shared_blocks() -> None:
     sched, runner = caching_sched(num_blocks=10, block_size=4, budget=64)  # 36 tokens of KV
     prompt = list(range(1, 18))
@@ -197,11 +249,14 @@ def test_make_room_does_not_count_prefix_blocks_as_reclaimable() -> None:
             r.prompt_token_ids, r.sampling_params.max_tokens)
 
 
-def test_long_random_workload_with_caching_returns_every_reference() -> None:
+@pytest.mark.parametrize("wait", [0, 8])
+def test_long_random_workload_with_caching_returns_every_reference(wait: int) -> None:
     """1,200+ requests over shared stems and a small image pool, with aborts, priorities and preemption:
-    exact outputs, consistent bookkeeping every step, and nothing held at the end."""
+    exact outputs, consistent bookkeeping every step, and nothing held at the end; also with requests
+    waiting for blocks in flight."""
     rng = random.Random(11)
-    sched, runner = caching_sched(num_blocks=41, block_size=4, budget=20, max_num_seqs=6, encoder_cache_tokens=12)
+    sched, runner = caching_sched(num_blocks=41, block_size=4, budget=20, max_num_seqs=6, encoder_cache_tokens=12,
+                                  shared_prefix_wait_tokens=wait)
     stems = [[rng.randrange(10, 90) for _ in range(rng.randint(3, 30))] for _ in range(6)]
     pool = {f"img{i}": 2 + 3 * i for i in range(5)}
     pending, expected, aborted = [], {}, set()
@@ -238,7 +293,7 @@ def test_long_random_workload_with_caching_returns_every_reference() -> None:
         assert finished[rid].output_token_ids == expected[rid], rid
     bm, enc = sched.block_manager, sched.encoder_cache
     assert all(b.ref_cnt == 0 for b in bm.blocks) and bm.num_free_blocks == bm.num_usable_blocks
-    assert not bm._req_blocks and not bm._req_hashes and not bm._num_hashed
+    assert not bm._req_blocks and not bm._req_hashes and not bm._num_hashed and bm.num_in_flight_hashes == 0
     assert enc.num_referenced == 0 and runner.embeddings == enc.held_hashes()
     assert bm.prefix_stats.hit_rate > 0.2 and bm.num_evicted_blocks > 0 and sched.num_preemptions_total > 0
     assert enc.num_hits > 0 and enc.num_evictions > 0 and sched.num_images_skipped > 0
