@@ -12,8 +12,8 @@ from flashvlm import __version__
 _DESCRIPTION = """flashvlm: fast inference for vision-language models.
 
 Models are local Hugging Face checkpoint folders (Qwen2-VL, Qwen2.5-VL, LLaVA-1.5 in llava-hf form).
-Without --model, an embedded tiny Qwen2-VL-architecture model with random weights is built locally
-(no download); its answers are random text, useful only to try the pipeline."""
+Without --model, the embedded demo model answers: a tiny Qwen2-VL trained on generated scenes of shapes
+and printed text (colour, count, left/right/above/below, numbers and words; docs/demo.md)."""
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -49,6 +49,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vision-graphs", type=int, default=4,
                    help="vision-tower CUDA graphs kept for recurring image shapes (captured the second time a "
                         "shape is seen; 0: always eager)")
+    g.add_argument("--shared-prefix-wait-tokens", type=int, default=256,
+                   help="a waiting request whose next uncached prompt blocks (at least this many tokens, e.g. a "
+                        "repeated image) are being computed by a running request waits a step to reuse them "
+                        "instead of computing a copy (0: never wait)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of repeated prefixes, images included (default: on)")
     g.add_argument("--encoder-cache-tokens", type=int, default=8192,
@@ -119,7 +123,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 enforce_eager=args.enforce_eager, preprocess_on_gpu=args.preprocess_on_gpu,
                 prefill_graph_max_tokens=args.prefill_graph_max_tokens, vision_graphs=args.vision_graphs,
                 enable_prefix_caching=args.enable_prefix_caching,
-                encoder_cache_tokens=args.encoder_cache_tokens)
+                encoder_cache_tokens=args.encoder_cache_tokens,
+                shared_prefix_wait_tokens=args.shared_prefix_wait_tokens)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -129,8 +134,8 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens)
     if args.model is None:
-        print("note: no --model given; using the embedded tiny model with RANDOM weights "
-              "(its answer is noise)", file=sys.stderr)
+        print("note: no --model given; using the embedded demo model, which knows only its generated scenes "
+              "(docs/demo.md)", file=sys.stderr)
     llm = LLM(args.model, **_engine_kwargs(args))
     t0 = time.perf_counter()
     if args.raw:

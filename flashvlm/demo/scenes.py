@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
 IMAGE_SIZE = 168
 GRID = 3  # shapes sit in the cells of a 3x3 grid, so left/right/above/below are unambiguous
@@ -107,21 +107,32 @@ def _position_question(rng: random.Random) -> Example:
             return Example(img, f"Is the {_name(a)} above or below the {_name(b)}?", answer, "position")
 
 
+GLYPH_SCALE = 2  # the bitmap font (6x11 px a glyph) drawn at 2x: 12x22 px, about one ViT patch per glyph
+# Pillow's built-in bitmap font (not its default FreeType font, which varies with the build): the same pixels
+# wherever the scenes are drawn, so a model trained on one machine is evaluated on the same images elsewhere.
+_FONT = ImageFont.load_default_imagefont() if hasattr(ImageFont, "load_default_imagefont") else ImageFont.load_default()
+
+
 def _text_question(rng: random.Random) -> Example:
     img = _background(rng)
-    draw = ImageDraw.Draw(img)
     if rng.random() < 0.5:
         text, question = str(rng.randint(0, 99)), "What number is written in the box?"
     else:
         text, question = rng.choice(WORDS), "What word is written in the box?"
-    # Small default bitmap font (about 6x11 px per glyph): reading it needs the fine detail of each patch.
-    x, y = rng.randint(10, IMAGE_SIZE - 50), rng.randint(10, IMAGE_SIZE - 30)
-    draw.rectangle((x - 4, y - 4, x + 8 * len(text) + 4, y + 16), outline=(0, 0, 0), width=1)
-    draw.text((x, y), text, fill=(0, 0, 0))
+    # Screenshot-sized print: each glyph spans about one 14-px patch, so reading it needs each patch's detail.
+    w, h = 6 * len(text) + 2, 12
+    glyphs = Image.new("L", (w, h), 255)
+    ImageDraw.Draw(glyphs).text((1, 0), text, fill=0, font=_FONT)
+    glyphs = glyphs.resize((w * GLYPH_SCALE, h * GLYPH_SCALE), Image.NEAREST)
+    x = rng.randint(6, IMAGE_SIZE - glyphs.width - 6)
+    y = rng.randint(6, IMAGE_SIZE - glyphs.height - 6)
+    img.paste((0, 0, 0), (x, y), Image.eval(glyphs, lambda v: 255 - v))
+    draw = ImageDraw.Draw(img)
+    draw.rectangle((x - 4, y - 4, x + glyphs.width + 3, y + glyphs.height + 3), outline=(0, 0, 0), width=1)
     # Distractor shapes away from the box, so the text is not alone in the picture.
     for _ in range(rng.randint(0, 2)):
         cx, cy = rng.randint(0, IMAGE_SIZE - 20), rng.randint(0, IMAGE_SIZE - 20)
-        if abs(cx - x) > 40 or abs(cy - y) > 30:
+        if cx + 14 < x - 6 or cx > x + glyphs.width + 6 or cy + 14 < y - 6 or cy > y + glyphs.height + 6:
             draw.ellipse((cx, cy, cx + 14, cy + 14), fill=COLOURS[rng.choice(list(COLOURS))])
     return Example(img, question, text, "text")
 

@@ -17,6 +17,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from flashvlm.demo.scenes import IMAGE_SIZE, QUESTION_TYPES, answer_vocabulary, make_example, make_split
@@ -29,6 +30,7 @@ from flashvlm.testing.tiny_checkpoints import (
     qwen_preprocessor_config,
 )
 
+PREFETCH = 2  # batches each loader worker keeps ready
 PIXELS = IMAGE_SIZE * IMAGE_SIZE  # min = max pixels: every scene keeps its 168x168 size (12x12 patches)
 
 
@@ -43,9 +45,12 @@ def demo_config(tokenizer):
     from transformers import Qwen2VLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    # rope_theta 10, not Qwen's 1e6: M-RoPE gives the width axis the lowest frequencies, and at a large theta
+    # the 6 columns of a scene's token grid would rotate by under 0.02 rad, leaving the language model blind
+    # to left / right (position questions stayed at chance). At 10 they span 0.5-1.2 rad; prompts are short.
     text = dict(vocab_size=640, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
+                rope_parameters={"rope_type": "default", "rope_theta": 10.0, "mrope_section": [8, 12, 12]},
                 bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], tie_word_embeddings=True)
     vision = dict(depth=4, embed_dim=192, hidden_size=256, num_heads=4, mlp_ratio=2, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2)
@@ -75,16 +80,23 @@ class Batcher:
         k = ids.index(self.image_token_id)
         return ids[:k] + [self.image_token_id] * self.num_image_tokens + ids[k + 1:]
 
-    def __call__(self, examples, device: str) -> dict:
+    def __call__(self, examples, device: str, raw_pixels: bool = False) -> dict:
+        """raw_pixels: hand over the scenes as one uint8 tensor ("images_u8") for `pixel_values` to finish on
+        the GPU, instead of float pixel_values: a quarter of the bytes through the loader's shared memory and
+        pinned copies, which bound the step rate of a 256-scene batch."""
         rows, labels, pixels, grids = [], [], [], []
         for ex in examples:
             prompt = self.prompt_ids(ex.question)
             answer = self.tok.encode(ex.answer + "<|im_end|>", add_special_tokens=False)
             rows.append(prompt + answer)
             labels.append([-100] * len(prompt) + answer)
-            pv, grid = self.proc.preprocess(ex.image)
-            pixels.append(pv)
-            grids.append(grid)
+            if raw_pixels:
+                pixels.append(np.asarray(ex.image.convert("RGB"), dtype=np.uint8))
+                grids.append(self.proc.grid_thw(ex.image.height, ex.image.width))
+            else:
+                pv, grid = self.proc.preprocess(ex.image)
+                pixels.append(pv)
+                grids.append(grid)
         width = max(map(len, rows))
         ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
         lab = torch.full((len(rows), width), -100, dtype=torch.long)
@@ -97,10 +109,27 @@ class Batcher:
             k = r.index(self.image_token_id)
             positions[:, i, : len(r)] = mrope_positions(len(r), [(k, k + self.num_image_tokens, *self.merged_grid,
                                                                    "scene")])[0]
-        return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": lab.to(device),
-                "position_ids": positions.to(device),
-                "pixel_values": torch.cat(pixels).to(device), "image_grid_thw": torch.tensor(grids, device=device),
-                "mm_token_type_ids": (ids == self.image_token_id).long().to(device)}
+        batch = {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": lab.to(device),
+                 "position_ids": positions.to(device), "image_grid_thw": torch.tensor(grids, device=device),
+                 "mm_token_type_ids": (ids == self.image_token_id).long().to(device)}
+        if raw_pixels:
+            batch["images_u8"] = torch.from_numpy(np.stack(pixels)).to(device)
+        else:
+            batch["pixel_values"] = torch.cat(pixels).to(device)
+        return batch
+
+    def pixel_values(self, images_u8: torch.Tensor) -> torch.Tensor:
+        """(B, H, W, C) uint8 scenes of the processor's own size -> their pixel_values, where the images are:
+        the same table lookup and patch order as QwenImageProcessor.preprocess, so the same floats bit for bit."""
+        proc = self.proc
+        p, m, t = proc.patch_size, proc.merge_size, proc.temporal_patch_size
+        b, h, w, c = images_u8.shape
+        gh, gw = h // p, w // p
+        x = images_u8.reshape(b, gh // m, m, p, gw // m, m, p, c).permute(0, 1, 4, 2, 5, 7, 3, 6)
+        offsets = torch.arange(0, 256 * c, 256, dtype=torch.int32, device=x.device).view(c, 1, 1)
+        x = proc._table.to(x.device)[(x.to(torch.int32) + offsets).reshape(-1)].view(x.shape)
+        x = x.unsqueeze(6).expand(b, gh // m, gw // m, m, m, c, t, p, p)
+        return x.reshape(b * gh * gw, c * t * p * p)
 
 
 def answer_correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -122,7 +151,8 @@ class StepBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, step: int) -> dict:
         start = step * self.batch_size
-        return self.batcher([make_example(self.seed, start + i) for i in range(self.batch_size)], "cpu")
+        return self.batcher([make_example(self.seed, start + i) for i in range(self.batch_size)], "cpu",
+                            raw_pixels=True)
 
 
 def batch_vision_attention(model, patches_per_image: int) -> None:
@@ -165,7 +195,7 @@ def _one_thread(_: int) -> None:
 
 def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: str, log_every: int = 100,
           workers: int = 0, validate: bool = True, max_seconds: float | None = None,
-          init_from: str | None = None) -> dict:
+          init_from: str | None = None, schedule_steps: int | None = None, untimed_steps: int = 5) -> dict:
     from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
 
     torch.manual_seed(seed)
@@ -179,19 +209,20 @@ def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: s
     batcher = Batcher(tokenizer, config.image_token_id)
     batch_vision_attention(model, batcher.patches_per_image)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warmup = max(1, steps // 20)
+    horizon = schedule_steps or steps  # the cosine schedule's length (longer than `steps`: a run cut short)
+    warmup = max(1, horizon // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / horizon))))
     val_examples = make_split("validation", 512)
     val = batcher(val_examples, device)
     val_types = [ex.qtype for ex in val_examples]
     loader = torch.utils.data.DataLoader(StepBatches(batcher, seed, steps, batch_size), batch_size=None,
-                                         num_workers=workers, prefetch_factor=4 if workers else None,
+                                         num_workers=workers, prefetch_factor=PREFETCH if workers else None,
                                          pin_memory=device.startswith("cuda"), worker_init_fn=_one_thread)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast(
         "cpu", enabled=False)
     t0, log = time.time(), []
-    warm_steps, t_warm = min(5, steps // 3), None
+    warm_steps, t_warm = min(untimed_steps, steps // 2), None
     stopped_at = None
     for step, batch in enumerate(loader):
         if max_seconds is not None and time.time() - t0 > max_seconds:
@@ -203,6 +234,7 @@ def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: s
                 torch.cuda.synchronize()
             t_warm = time.time()
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        batch["pixel_values"] = batcher.pixel_values(batch.pop("images_u8"))
         with autocast:
             loss = model(**batch).loss
         opt.zero_grad(set_to_none=True)
@@ -233,8 +265,8 @@ def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: s
     model.generation_config.save_pretrained(path)
     tokenizer.save_pretrained(path)
     (path / "preprocessor_config.json").write_text(json.dumps(qwen_preprocessor_config(PIXELS, PIXELS), indent=1))
-    meta = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "device": device,
-            "question_types": list(QUESTION_TYPES), "train_seconds": time.time() - t0,
+    meta = {"steps": steps, "schedule_steps": horizon, "batch_size": batch_size, "lr": lr, "seed": seed,
+            "device": device, "question_types": list(QUESTION_TYPES), "train_seconds": time.time() - t0,
             "seconds_per_step": seconds_per_step, "stopped_early_at_step": stopped_at, "init_from": None, "log": log}
     if init_from is not None:  # the recipe of the run continued from, so the chain can be repeated
         meta["init_from"] = json.loads((Path(init_from) / "training.json").read_text())
@@ -243,14 +275,19 @@ def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: s
 
 
 def steps_for_budget(seconds: float, batch_size: int, lr: float, seed: int, device: str, workers: int,
-                     probe_steps: int = 15) -> int:
+                     timed_steps: int = 20) -> int:
     """How many steps fit in `seconds` on this machine, from a short timed probe run (thrown away). The
-    chosen count is recorded in training.json: retraining with `--steps N` reproduces the run exactly."""
+    chosen count is recorded in training.json: retraining with `--steps N` reproduces the run exactly.
+
+    The probe times only steps after the loader's prefetched batches are used up: a small model's step can
+    outrun scene drawing, and timing the prefetched start once promised 0.08 s/step for a run that then
+    took 0.13 (data-bound) and hit its safety stop before the schedule ended."""
     import tempfile
 
+    untimed = 2 * PREFETCH * workers + 5
     with tempfile.TemporaryDirectory() as tmp:
-        meta = train(tmp, probe_steps, batch_size, lr, seed, device, log_every=probe_steps, workers=workers,
-                     validate=False)
+        meta = train(tmp, untimed + timed_steps, batch_size, lr, seed, device, log_every=untimed + timed_steps,
+                     workers=workers, validate=False, untimed_steps=untimed)
     per_step = meta["seconds_per_step"]
     steps = max(1, int(seconds / per_step))
     print(json.dumps({"probe_seconds_per_step": round(per_step, 4), "steps": steps}), flush=True)
@@ -273,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from this earlier checkpoint's weights (its training.json is kept in the new one); "
                         "give another --seed so the run sees new scenes")
+    p.add_argument("--schedule-steps", type=int, default=None,
+                   help="length of the learning-rate schedule if not --steps (to repeat a run that a safety stop "
+                        "cut short: --steps STOPPED_AT --schedule-steps STEPS, both in its training.json)")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="safety stop: end training after this many seconds and save what there is (recorded)")
     p.add_argument("--workers", type=int, default=min(8, max(0, (os.cpu_count() or 1) - 2)),
@@ -282,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         args.steps = steps_for_budget(args.time_budget_s, args.batch_size, args.lr, args.seed, args.device,
                                       args.workers)
     train(args.out, args.steps, args.batch_size, args.lr, args.seed, args.device, args.log_every, args.workers,
-          max_seconds=args.max_seconds, init_from=args.init_from)
+          max_seconds=args.max_seconds, init_from=args.init_from, schedule_steps=args.schedule_steps)
     return 0
 
 

@@ -16,7 +16,7 @@ POST /v1/chat/completions (text and image_url parts), POST /v1/completions, GET 
   curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
       -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
 
-Without --model the embedded tiny model (random weights) is served. See docs/server.md."""
+Without --model the embedded demo model (docs/demo.md) is served. See docs/server.md."""
 
 
 def build_parser(sub: argparse._SubParsersAction) -> None:

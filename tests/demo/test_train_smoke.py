@@ -105,3 +105,27 @@ def test_continue_training_from_a_checkpoint(tmp_path) -> None:
 
     a, b = load_file(first / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_budget_probe_and_a_cut_schedule(tmp_path) -> None:
+    from flashvlm.demo.train import steps_for_budget
+
+    assert steps_for_budget(1000.0, batch_size=2, lr=3e-4, seed=0, device="cpu", workers=0, timed_steps=2) >= 1
+    meta = train(str(tmp_path / "c"), steps=2, batch_size=2, lr=3e-4, seed=0, device="cpu", validate=False,
+                 schedule_steps=10)
+    assert (meta["steps"], meta["schedule_steps"]) == (2, 10)
+
+
+def test_pixel_values_from_raw_scenes_equal_the_processor() -> None:
+    """The trainer's batched uint8 -> pixel_values path (run on the GPU there) is the processor's, bit for bit."""
+    from flashvlm.demo.scenes import make_example
+    from flashvlm.demo.train import demo_config, demo_tokenizer
+
+    tok = demo_tokenizer()
+    batcher = Batcher(tok, demo_config(tok).image_token_id)
+    examples = [make_example(4, i) for i in range(5)]
+    reference = batcher(examples, "cpu")
+    raw = batcher(examples, "cpu", raw_pixels=True)
+    assert raw["images_u8"].dtype == torch.uint8 and "pixel_values" not in raw
+    assert torch.equal(batcher.pixel_values(raw["images_u8"]), reference["pixel_values"])
+    assert torch.equal(raw["image_grid_thw"], reference["image_grid_thw"])

@@ -87,16 +87,17 @@ def test_dummy_weights_are_seeded(reference) -> None:
     assert not torch.equal(first, next(iter(d.engine.model.parameters())))
 
 
-def test_cli_generate_default_model(tmp_path, monkeypatch, capsys) -> None:
-    monkeypatch.setenv("FLASHVLM_CACHE", str(tmp_path / "cache"))
-    img = tmp_path / "x.png"
-    from PIL import Image
+def test_cli_generate_default_model(tmp_path, capsys) -> None:
+    """Without --model the embedded demo model answers a question about a scene it has never seen."""
+    from flashvlm.demo.scenes import SPLIT_SEEDS, make_example
 
-    Image.fromarray(PROMPT["images"][0]).save(img)
-    assert main(["generate", "--image", str(img), "--max-tokens", "5", "What is in the picture?"]) == 0
+    ex = make_example(SPLIT_SEEDS["test"], 5003)  # the picture of examples/number.png
+    img = tmp_path / "x.png"
+    ex.image.save(img)
+    assert ex.question == "What number is written in the box?"
+    assert main(["generate", "--image", str(img), "--device", "cpu", ex.question]) == 0
     out = capsys.readouterr()
-    assert "5 generated" in out.err and "RANDOM weights" in out.err
-    assert (tmp_path / "cache" / "flashvlm-tiny-qwen2-vl-random-v1" / "config.json").exists()
+    assert out.out.strip() == ex.answer and "finish=stop" in out.err and "demo model" in out.err
     # a bad image is a clear error and exit code 1, not a traceback
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"not an image")

@@ -9,9 +9,11 @@ import torch
 from flashvlm import LLM, SamplingParams
 from flashvlm.testing.tiny_checkpoints import build_llava, build_qwen2_vl
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava"]
+# "demo" is the shipped demo checkpoint (flashvlm/demo/checkpoint): trained weights, a Qwen2-VL architecture.
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "demo"]
 PLACEHOLDER = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>\n"}
+               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>\n",
+               "demo": "<|vision_start|><|image_pad|><|vision_end|>"}
 MAX_TOKENS = 10
 
 
@@ -32,7 +34,7 @@ class Family:
 
         self.name, self.path = name, str(path)
         cls = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
-               "llava": LlavaForConditionalGeneration}[name]
+               "llava": LlavaForConditionalGeneration, "demo": Qwen2VLForConditionalGeneration}[name]
         self.hf = cls.from_pretrained(self.path, dtype=torch.float32).eval()
         self.config = AutoConfig.from_pretrained(self.path)
 
@@ -62,7 +64,13 @@ class Family:
         eos = set() if params.ignore_eos else set(llm.engine.eos_token_ids)
         config = GenerationConfig(max_new_tokens=params.max_tokens, do_sample=False,
                                   eos_token_id=sorted(eos) or None, pad_token_id=0)
-        out = self.hf.generate(**inputs, generation_config=config)
+        # transformers falls back on the checkpoint's own generation_config.json for an unset eos: with
+        # ignore_eos that one must not stop it either.
+        saved, self.hf.generation_config.eos_token_id = self.hf.generation_config.eos_token_id, None
+        try:
+            out = self.hf.generate(**inputs, generation_config=config)
+        finally:
+            self.hf.generation_config.eos_token_id = saved
         tokens = out[0, inputs["input_ids"].shape[1]:].tolist()
         for i, t in enumerate(tokens):
             if t in eos:
@@ -72,6 +80,10 @@ class Family:
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory) -> Family:
+    if request.param == "demo":
+        from flashvlm.models.default import default_model_path
+
+        return Family("demo", default_model_path())
     path = tmp_path_factory.mktemp(request.param)
     if request.param == "llava":
         build_llava(path, seed=3)
