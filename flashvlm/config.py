@@ -48,8 +48,12 @@ class SchedulerConfig:
     max_model_len: int = 0
     """Filled from ModelConfig once the checkpoint's limit is known."""
     max_running_per_group: dict[str, int] = field(default_factory=dict)
-    """Most running requests per scheduling group (the server's SLA tiers: their share and max_batch); a
-    group at its cap waits while requests of other groups behind it are admitted. Groups not named: no cap."""
+    """Hard cap on running requests per scheduling group (the server's SLA tiers: their max_batch); a group at
+    its cap waits while requests of other groups behind it are admitted. Groups not named: no cap."""
+    share_running_per_group: dict[str, int] = field(default_factory=dict)
+    """Soft cap per group (the SLA tiers' share of max_num_seqs): past it, a group's requests start only on
+    slots no other waiting request takes, and such a borrowed slot is taken back (preempted) when a
+    better-priority request of a group within its share finds the batch full."""
     shared_prefix_wait_tokens: int = 256
     """A waiting request whose next uncached prompt blocks (this many tokens or more, e.g. a repeated image's
     placeholders) are being computed right now by a running request waits until they are cached, and lets
@@ -101,9 +105,11 @@ class EngineConfig:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
         if s.shared_prefix_wait_tokens < 0:
             raise ConfigError(f"shared_prefix_wait_tokens must be >= 0, got {s.shared_prefix_wait_tokens}")
-        for group, cap in s.max_running_per_group.items():
-            if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-                raise ConfigError(f"max_running_per_group[{group!r}] must be a positive integer, got {cap!r}")
+        for name, caps in (("max_running_per_group", s.max_running_per_group),
+                           ("share_running_per_group", s.share_running_per_group)):
+            for group, cap in caps.items():
+                if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+                    raise ConfigError(f"{name}[{group!r}] must be a positive integer, got {cap!r}")
         if self.attention_backend not in ("auto", "reference", "triton"):
             raise ConfigError(f"attention_backend must be auto, reference or triton, got {self.attention_backend!r}")
         if self.vision_graphs < 0:

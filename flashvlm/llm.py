@@ -29,7 +29,8 @@ class LLM:
                  enable_prefix_caching: bool = True,
                  encoder_cache_tokens: int = 8192, max_running_per_group: dict[str, int] | None = None,
                  prefill_graph_max_tokens: int = 2048, vision_graphs: int = 4,
-                 shared_prefix_wait_tokens: int = 256) -> None:
+                 shared_prefix_wait_tokens: int = 256,
+                 share_running_per_group: dict[str, int] | None = None) -> None:
         if model is None:
             from flashvlm.models.default import default_model_path
 
@@ -42,7 +43,8 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching, encoder_cache_tokens=encoder_cache_tokens),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_running_per_group=dict(max_running_per_group or {}),
-                                      shared_prefix_wait_tokens=shared_prefix_wait_tokens),
+                                      shared_prefix_wait_tokens=shared_prefix_wait_tokens,
+                                      share_running_per_group=dict(share_running_per_group or {})),
             device=device, attention_backend=attention_backend, kernel_backend=kernel_backend,
             enforce_eager=enforce_eager, preprocess_on_gpu=preprocess_on_gpu,
             prefill_graph_max_tokens=prefill_graph_max_tokens, vision_graphs=vision_graphs)

@@ -38,6 +38,8 @@ class _StepState:
     num_new: dict[str, int] = field(default_factory=dict)
     """request_id -> tokens this step; insertion order is batch order."""
     preempted: set[str] = field(default_factory=set)
+    running_in: dict[str | None, int] = field(default_factory=dict)
+    """Running requests per group, counted once admission starts (preemptions keep it current)."""
 
 
 class Scheduler:
@@ -159,6 +161,8 @@ class Scheduler:
         # If it was already given tokens this step (waiting-phase victim), hand them back.
         step.budget += step.num_new.pop(req.request_id, 0)
         step.preempted.add(req.request_id)
+        if step.running_in.get(req.group):
+            step.running_in[req.group] -= 1
         self._left_since_last_step.append(req.request_id)
 
     # ---- scheduling --------------------------------------------------------------------
@@ -231,24 +235,37 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, step: _StepState) -> None:
+        """Admit waiting requests in priority order. A group at its share (`share_running_per_group`) is passed
+        over in a first pass, so the slot goes to requests behind it, and admitted in a second pass if slots and
+        budget are left: shares are work-conserving. A borrowed slot is taken back (its request preempted) when
+        a better-priority request of a group within its share finds the batch full. Hard caps
+        (`max_running_per_group`) are never exceeded."""
+        for r in self._running:
+            step.running_in[r.group] = step.running_in.get(r.group, 0) + 1
+        if self._admit(step, borrow=False) and self.config.share_running_per_group:
+            self._admit(step, borrow=True)
+
+    def _admit(self, step: _StepState, borrow: bool) -> bool:
+        """One admission pass; False if it stopped at a request that cannot start (so nothing behind it may)."""
         bm = self.block_manager
-        caps = self.config.max_running_per_group
-        running_in: dict[str | None, int] = {}
-        if caps:
-            for r in self._running:
-                running_in[r.group] = running_in.get(r.group, 0) + 1
-        i = 0  # the head of _waiting, past requests whose group is at its cap
-        while i < len(self._waiting) and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
+        running_in = step.running_in
+        hard, share = self.config.max_running_per_group, self.config.share_running_per_group
+        i = 0
+        while i < len(self._waiting) and step.budget > 0:
             req = self._waiting[i]
             if self._never_fits_now(req):
                 self._abort_for_capacity(req)
                 continue
             if req.request_id in step.preempted:
-                break  # evicted this very step; strict FCFS keeps everyone behind it waiting too
-            cap = caps.get(req.group) if req.group is not None else None
-            if cap is not None and running_in.get(req.group, 0) >= cap:
-                i += 1  # its group is full; the cap must not hold back other groups behind it
+                return False  # evicted this very step; strict FCFS keeps everyone behind it waiting too
+            n = running_in.get(req.group, 0)
+            over_share = req.group in share and n >= share[req.group]
+            if (req.group in hard and n >= hard[req.group]) or (over_share and not borrow):
+                i += 1  # its group is full; that must not hold back other groups behind it
                 continue
+            if len(self._running) >= self.config.max_num_seqs and (
+                    over_share or not self._reclaim_slot(req, step)):
+                return False
             # Waiting requests (new or preempted) hold no blocks and have num_computed_tokens == 0.
             prefix = bm.find_cached_prefix(req)
             if self._waits_for_in_flight(req, len(prefix)):
@@ -259,8 +276,8 @@ class Scheduler:
             target = num_hit + num_new
             if (not bm.allocate_slots(req.request_id, target, prefix)
                     and not self._make_room(req, target, prefix, step)):
-                break  # no skipping ahead: later requests have equal or lower priority
-            self._waiting.pop(i)
+                return False  # no skipping ahead: later requests have equal or lower priority
+            self._waiting.pop(i)  # victims preempted for req have worse priority: they queue behind it
             running_in[req.group] = running_in.get(req.group, 0) + 1
             bm.mark_in_flight(req, len(prefix))
             self._admitted(req, num_hit)
@@ -268,6 +285,17 @@ class Scheduler:
             bisect.insort(self._running, req, key=self._key)
             step.num_new[req.request_id] = num_new
             step.budget -= num_new
+        return True
+
+    def _reclaim_slot(self, req: Request, step: _StepState) -> bool:
+        """Preempt the newest running request of worse priority whose group is past its share, if any."""
+        share = self.config.share_running_per_group
+        for victim in reversed(self._running):
+            g = victim.group
+            if victim.priority > req.priority and g in share and step.running_in.get(g, 0) > share[g]:
+                self._preempt(victim, step)
+                return True
+        return False
 
     def _waits_for_in_flight(self, req: Request, num_cached_blocks: int) -> bool:
         """Worth waiting only for a long shared run (an image's placeholders, a long document): a short one

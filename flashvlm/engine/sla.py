@@ -77,17 +77,19 @@ class TierConfig:
                 return tier
         raise ValueError(f"unknown SLA tier {name!r}; valid tiers: {', '.join(self.names)}")
 
-    def running_caps(self, max_num_seqs: int) -> dict[str, int]:
-        """Most running requests per tier, from `max_batch` and `share` (of max_num_seqs, at least 1);
-        tiers with neither are absent (no cap)."""
-        caps = {}
-        for tier in self.tiers:
-            limits = [tier.max_batch] if tier.max_batch is not None else []
-            if tier.share is not None:
-                limits.append(max(1, math.floor(tier.share * max_num_seqs)))
-            if limits:
-                caps[tier.name] = min(limits)
-        return caps
+    def running_caps(self) -> dict[str, int]:
+        """Hard caps: each tier's `max_batch` (tiers without one are absent)."""
+        return {t.name: t.max_batch for t in self.tiers if t.max_batch is not None}
+
+    def running_shares(self, max_num_seqs: int) -> dict[str, int]:
+        """Soft caps: each tier's `share` of max_num_seqs (at least 1, at most its max_batch). Past its share a
+        tier borrows idle slots and gives them back when a better tier within its share waits."""
+        shares = {}
+        for t in self.tiers:
+            if t.share is not None:
+                n = max(1, math.floor(t.share * max_num_seqs))
+                shares[t.name] = min(n, t.max_batch) if t.max_batch is not None else n
+        return shares
 
     def tightest_tpot_s(self, active: Iterable[str | Tier]) -> float | None:
         """The smallest TPOT target among the given tiers (names or Tiers), None if there are none."""

@@ -98,10 +98,11 @@ def run(args: argparse.Namespace) -> int:
     tiers = None if no_tiers else load_tiers(args.sla_config)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     if args.model is None:
-        print("note: no --model given; serving the embedded tiny model with RANDOM weights", file=sys.stderr)
+        print("note: no --model given; serving the embedded demo model (docs/demo.md)", file=sys.stderr)
     kwargs = _engine_kwargs(args)
-    if tiers is not None:  # each tier's share and max_batch bound its running requests in the scheduler
-        kwargs["max_running_per_group"] = tiers.running_caps(kwargs.get("max_num_seqs", 64))
+    if tiers is not None:  # max_batch: a hard cap on a tier's running requests; share: a work-conserving one
+        kwargs["max_running_per_group"] = tiers.running_caps()
+        kwargs["share_running_per_group"] = tiers.running_shares(kwargs.get("max_num_seqs", 64))
     llm = LLM(args.model, **kwargs)
     sched = llm.engine.config.scheduler
     adaptive = args.adaptive_token_budget if args.adaptive_token_budget is not None else (

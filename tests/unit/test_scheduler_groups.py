@@ -12,15 +12,15 @@ from flashvlm.engine.sla import parse_tiers
 from flashvlm.request import Request, SamplingParams
 
 
-def make(caps: dict[str, int], max_num_seqs: int = 6) -> Scheduler:
+def make(caps: dict[str, int], max_num_seqs: int = 6, shares: dict[str, int] | None = None) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
-                                     max_running_per_group=caps),
+                                     max_running_per_group=caps, share_running_per_group=shares or {}),
                      BlockManager(256, 4), EncoderCacheManager(0))
 
 
-def req(rid: str, group: str | None, priority: int = 0, arrival: float = 0.0) -> Request:
-    return Request(rid, [11, 12, 13, 14, 15], SamplingParams(max_tokens=3), priority=priority, arrival_time=arrival,
-                   group=group)
+def req(rid: str, group: str | None, priority: int = 0, arrival: float = 0.0, max_tokens: int = 3) -> Request:
+    return Request(rid, [11, 12, 13, 14, 15], SamplingParams(max_tokens=max_tokens), priority=priority,
+                   arrival_time=arrival, group=group)
 
 
 def finish_step(sched: Scheduler) -> list[str]:
@@ -64,8 +64,47 @@ def test_tier_caps_from_share_and_max_batch() -> None:
         "silver": {"priority": 1, "ttft_p99_ms": 500, "tpot_p99_ms": 50, "max_batch": 8},
         "bronze": {"priority": 2, "ttft_p99_ms": 5000, "tpot_p99_ms": 200, "share": 0.25, "max_batch": 20},
         "tiny": {"priority": 3, "ttft_p99_ms": 5000, "tpot_p99_ms": 200, "share": 0.001}}})
-    assert tiers.running_caps(64) == {"silver": 8, "bronze": 16, "tiny": 1}
-    assert tiers.running_caps(200) == {"silver": 8, "bronze": 20, "tiny": 1}
+    assert tiers.running_caps() == {"silver": 8, "bronze": 20}
+    assert tiers.running_shares(64) == {"bronze": 16, "tiny": 1}
+    assert tiers.running_shares(200) == {"bronze": 20, "tiny": 1}  # never past max_batch
+
+
+def running(sched: Scheduler, group: str) -> list[str]:
+    return sorted(r.request_id for r in sched.requests.values() if r.status.name == "RUNNING" and r.group == group)
+
+
+def test_a_share_lends_idle_slots() -> None:
+    """Past its share a group still fills slots nobody else wants, after the requests queued behind it."""
+    sched = make({}, shares={"bronze": 2})
+    for i in range(5):
+        sched.add_request(req(f"b{i}", "bronze", priority=2, arrival=i))
+    sched.add_request(req("s", "silver", priority=1, arrival=9))
+    assert finish_step(sched) == ["s", "b0", "b1", "b2", "b3", "b4"]
+
+
+def test_a_borrowed_slot_is_taken_back_for_a_better_tier() -> None:
+    sched = make({}, shares={"bronze": 2}, max_num_seqs=4)
+    for i in range(5):
+        sched.add_request(req(f"b{i}", "bronze", priority=2, arrival=i, max_tokens=20))
+    assert finish_step(sched) == ["b0", "b1", "b2", "b3"]  # two of them borrowed
+    sched.add_request(req("g", "gold", priority=0, arrival=10, max_tokens=20))
+    step = finish_step(sched)
+    assert "g" in step and running(sched, "bronze") == ["b0", "b1", "b2"]  # the newest borrower gave way
+    assert sched.requests["b3"].num_preemptions == 1
+    sched.add_request(req("g2", "gold", priority=0, arrival=11, max_tokens=20))
+    assert "g2" in finish_step(sched) and running(sched, "bronze") == ["b0", "b1"]
+    sched.add_request(req("g3", "gold", priority=0, arrival=12, max_tokens=20))
+    finish_step(sched)  # bronze is within its share now: gold waits for a slot instead of preempting it
+    assert running(sched, "bronze") == ["b0", "b1"] and sched.requests["g3"].status.name == "WAITING"
+    while sched.has_unfinished():
+        finish_step(sched)
+
+
+def test_hard_cap_holds_when_borrowing() -> None:
+    sched = make({"bronze": 3}, shares={"bronze": 1})
+    for i in range(5):
+        sched.add_request(req(f"b{i}", "bronze", priority=2, arrival=i))
+    assert finish_step(sched) == ["b0", "b1", "b2"]
 
 
 def test_caps_are_validated() -> None:
