@@ -46,6 +46,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-graph-max-tokens", type=int, default=2048,
                    help="prefill, cached-prefix and mixed steps up to this many tokens also replay CUDA graphs "
                         "(0: decode steps only)")
+    g.add_argument("--decode-lookahead", action=argparse.BooleanOptionalAction, default=True,
+                   help="greedy decode steps launch the next step before reading their tokens, hiding the host's "
+                        "per-step work behind the GPU (needs CUDA graphs)")
     g.add_argument("--vision-graphs", type=int, default=4,
                    help="vision-tower CUDA graphs kept for recurring image shapes (captured the second time a "
                         "shape is seen; 0: always eager)")
@@ -124,7 +127,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 prefill_graph_max_tokens=args.prefill_graph_max_tokens, vision_graphs=args.vision_graphs,
                 enable_prefix_caching=args.enable_prefix_caching,
                 encoder_cache_tokens=args.encoder_cache_tokens,
-                shared_prefix_wait_tokens=args.shared_prefix_wait_tokens)
+                shared_prefix_wait_tokens=args.shared_prefix_wait_tokens,
+                decode_lookahead=args.decode_lookahead)
 
 
 def _generate(args: argparse.Namespace) -> int:

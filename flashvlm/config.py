@@ -79,6 +79,9 @@ class EngineConfig:
     vision_graphs: int = 4
     """Most vision-tower CUDA graphs kept, one per recurring batch shape (captured the second time a shape is
     seen); 0 = the tower always runs eagerly."""
+    decode_lookahead: bool = True
+    """All-greedy pure-decode steps launch the next decode step before reading their own tokens, so the host's
+    per-step work overlaps the GPU (runner/lookahead.py). Needs the decode graphs."""
     prefill_graph_max_tokens: int = 2048
     """Steps that are not pure decode (prefill chunks, cached-prefix extends, mixed batches) of up to this many
     tokens replay CUDA graphs too; 0 = only decode steps do. Bounded by max_num_batched_tokens."""

@@ -34,6 +34,8 @@ class SchedulerOutput:
     """Embeddings (by mm_hash) no request needs any more; the runner drops them."""
     finished_request_ids: list[str] = field(default_factory=list)
     """Requests that left (finished, aborted or preempted) since the last step: runner drops their state."""
+    num_waiting: int = 0
+    """Requests still waiting after this step's admissions (the runner launches no decode lookahead then)."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

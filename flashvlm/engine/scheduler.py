@@ -195,6 +195,7 @@ class Scheduler:
             encoder_inputs=encoder_inputs,
             free_encoder_hashes=self.encoder_cache.pop_freeable(),
             finished_request_ids=self._left_since_last_step,
+            num_waiting=len(self._waiting),
         )
         self._left_since_last_step = []
         return output

@@ -7,9 +7,10 @@ touch real cache blocks. The graphs share one memory pool. Only the Triton atten
 capturable: the reference backend loops on the host.
 
 The graphs' inputs live in two device buffers (int64: token ids, positions, slots; int32: sequence lengths,
-block tables) with pinned host mirrors: a step writes its DecodeBatch into the mirrors and sends each with one
-copy, instead of a copy per array plus a device copy into each graph input. A mirror is rewritten only after
-the previous step's tokens were read back, so its last copy has completed.
+block tables) with pinned host mirrors: a step writes its DecodeBatch into a mirror and sends it with one copy
+per dtype, instead of a copy per array plus a device copy into each graph input. Two mirrors are used in turn,
+each rewritten only once an event says its last copy ran. Each graph also returns the argmax of its logits, so
+an all-greedy step needs no sampler kernels (runner/lookahead.py).
 """
 
 from __future__ import annotations
@@ -88,6 +89,20 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+class _Mirror:
+    """One pinned host copy of the decode graphs' input buffers, with numpy views in the same layout and the
+    event after its last copy to the device (a mirror is rewritten only once that copy has run)."""
+
+    def __init__(self, i64: torch.Tensor, i32: torch.Tensor, n: int, axes: int, max_blocks: int, pin: bool) -> None:
+        self.h64 = torch.zeros(i64.shape, dtype=torch.long, pin_memory=pin)
+        self.h32 = torch.zeros(i32.shape, dtype=torch.int32, pin_memory=pin)
+        h64, h32 = self.h64.numpy(), self.h32.numpy()
+        self.ids, self.pos, self.slots = h64[:n], h64[n:(1 + axes) * n].reshape(axes, n), h64[(1 + axes) * n:]
+        self.lens, self.tables = h32[:n], h32[n:].reshape(n, max_blocks)
+        self.slots.fill(-1)
+        self.copied = torch.cuda.Event() if pin else None
+
+
 class DecodeGraphs(GraphSet):
     name = "decode graphs"
 
@@ -100,21 +115,17 @@ class DecodeGraphs(GraphSet):
         n = self.sizes[-1]
         max_blocks = (max_model_len + block_size - 1) // block_size
         axes = 3 if model.uses_mrope else 1
-        pin = device.type == "cuda"
         self._i64 = torch.zeros((2 + axes) * n, dtype=torch.long, device=device)
         self._i32 = torch.zeros(n + n * max_blocks, dtype=torch.int32, device=device)
-        self._h64 = torch.zeros(self._i64.shape, dtype=torch.long, pin_memory=pin)
-        self._h32 = torch.zeros(self._i32.shape, dtype=torch.int32, pin_memory=pin)
         self.input_ids = self._i64[:n]
         self.positions = self._i64[n:(1 + axes) * n].view(axes, n) if axes == 3 else self._i64[n:2 * n]
         self.slot_mapping = self._i64[(1 + axes) * n:]
         self.seq_lens = self._i32[:n]
         self.block_tables = self._i32[n:].view(n, max_blocks)
-        # numpy views of the pinned mirrors, in the same layout, for the host writes
-        h64, h32 = self._h64.numpy(), self._h32.numpy()
-        self._h_ids, self._h_pos, self._h_slots = h64[:n], h64[n:(1 + axes) * n].reshape(axes, n), h64[(1 + axes) * n:]
-        self._h_lens, self._h_tables = h32[:n], h32[n:].reshape(n, max_blocks)
-        self._h_slots.fill(-1)
+        # Two mirrors, used in turn: the greedy pipeline stages step N+1 before step N's copy is known to be done.
+        pin = device.type == "cuda"
+        self._mirrors = [_Mirror(self._i64, self._i32, n, axes, max_blocks, pin) for _ in range(2)]
+        self._turn = 0
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.max_model_len = max_model_len
 
@@ -127,11 +138,14 @@ class DecodeGraphs(GraphSet):
             query_start_loc_host=list(range(size + 1)), seq_lens_host=[self.max_model_len] * size,
             max_query_len=1, max_seq_len=self.max_model_len)
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits, their argmax): the greedy token comes out of the graph itself (bf16 argmax picks what the
+        sampler's float32 argmax picks: the conversion is exact and keeps the order)."""
         ctx = ForwardContext(attn_meta=self._meta(size), kv_caches=self.kv_caches, backend=self.backend)
         embeds = self.model.embed_tokens(self.input_ids[:size])
         positions = self.positions[..., :size]
-        return self.model.compute_logits(self.model(embeds, positions, ctx))
+        logits = self.model.compute_logits(self.model(embeds, positions, ctx))
+        return logits, logits.argmax(dim=-1)
 
     def _reset_padding(self) -> None:
         self.slot_mapping.fill_(-1)
@@ -141,33 +155,49 @@ class DecodeGraphs(GraphSet):
         i = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def run(self, batch: DecodeBatch) -> torch.Tensor:
-        """Replay for a decode batch; returns the logits of its sampled rows (len(sample_rows), vocab). Without a
-        captured graph of that size (CPU tests) the same body runs eagerly on the same buffers."""
+    def stage(self, batch: DecodeBatch, input_ids: torch.Tensor | None = None) -> int:
+        """Write the batch into the next host mirror and send it to the input buffers (one copy per dtype);
+        `input_ids` (on the device) replaces the batch's token ids. Returns the padded size."""
         b = batch.num_seqs
         size = self.padded_size(b)
         if size is None:
             raise ValueError(f"a decode batch of {b} exceeds the largest graph ({self.sizes[-1]})")
-        self._h_ids[:b] = batch.token_ids
-        self._h_pos[:, :b] = batch.positions  # every axis: generated tokens advance all three together
-        self._h_slots[:b] = batch.slots
-        self._h_slots[b:size] = -1
-        self._h_lens[:b] = batch.seq_lens
-        self._h_lens[b:size] = 0
+        m = self._mirrors[self._turn]
+        self._turn ^= 1
+        if m.copied is not None:
+            m.copied.synchronize()  # its previous copy has run (at once, except right after a discarded lookahead)
+        m.ids[:b] = batch.token_ids
+        m.pos[:, :b] = batch.positions  # every axis: generated tokens advance all three together
+        m.slots[:b] = batch.slots
+        m.slots[b:size] = -1
+        m.lens[:b] = batch.seq_lens
+        m.lens[b:size] = 0
         for i, blocks in enumerate(batch.block_ids):
             # Entries past a row's blocks may be stale: attention reads only the blocks its seq_len covers.
-            self._h_tables[i, : len(blocks)] = blocks
-        rows = self._h_tables.shape[1] * b
-        self._i64.copy_(self._h64, non_blocking=True)
-        self._i32[: self.seq_lens.shape[0] + rows].copy_(self._h32[: self.seq_lens.shape[0] + rows],
-                                                          non_blocking=True)
+            m.tables[i, : len(blocks)] = blocks
+        rows = m.tables.shape[1] * b
+        self._i64.copy_(m.h64, non_blocking=True)
+        self._i32[: self.seq_lens.shape[0] + rows].copy_(m.h32[: self.seq_lens.shape[0] + rows], non_blocking=True)
+        if m.copied is not None:
+            m.copied.record()
+        if input_ids is not None:
+            self.input_ids[:b].copy_(input_ids[:b])
+        return size
+
+    def replay(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the staged step: (logits, argmax) for `size` rows, in buffers the next replay of this size
+        overwrites. Without a captured graph of that size (CPU tests) the same body runs eagerly."""
         graph = self.graphs.get(size)
         if graph is None:
             with torch.inference_mode():
-                logits = self._forward(size)[:b]
-        else:
-            graph.replay()
-            logits = self.outputs[size][:b]
+                return self._forward(size)
+        graph.replay()
+        return self.outputs[size]
+
+    def run(self, batch: DecodeBatch) -> torch.Tensor:
+        """Stage and replay a decode batch; returns the logits of its sampled rows (len(sample_rows), vocab)."""
+        b = batch.num_seqs
+        logits = self.replay(self.stage(batch))[0][:b]
         if len(batch.sample_rows) == b:  # sample_rows is an increasing subset of range(b)
             return logits
         return logits.index_select(0, torch.as_tensor(batch.sample_rows, device=logits.device))

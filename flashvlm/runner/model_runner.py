@@ -24,6 +24,7 @@ from flashvlm.runner.inputs import (
     general_step_inputs,
     single_sequence_context,
 )
+from flashvlm.runner.lookahead import GreedyDecodePipeline, pipeline_eligible
 from flashvlm.runner.sampler import Sampler, make_generator
 from flashvlm.runner.step_graphs import StepGraphs
 from flashvlm.runner.vision_graphs import VisionGraphs
@@ -89,6 +90,8 @@ class ModelRunner:
         """Graphs for prefill and mixed steps up to config.prefill_graph_max_tokens (CUDA only)."""
         self.vision_graphs: VisionGraphs | None = None
         """Vision-tower graphs for recurring image shapes (CUDA, models whose tower is capturable)."""
+        self.pipeline: GreedyDecodePipeline | None = None
+        """All-greedy decode steps through the decode graphs, the next launched before this one is read."""
         # Unseeded requests draw from the engine's own generator, never torch's global one, so other torch
         # code in the process cannot change an engine's samples, and engines do not share a stream.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model.seed))
@@ -192,6 +195,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, sched.max_num_seqs,
                                        sched.max_model_len, self.block_size, self.device)
             self.graphs.capture()
+            if self.config.decode_lookahead:
+                self.pipeline = GreedyDecodePipeline(self.graphs, self.block_size, sched.max_model_len)
             if self.config.vision_graphs > 0 and self.model.vision_graphable:
                 self.vision_graphs = VisionGraphs(self.model.encode_images, self.device, self.dtype,
                                                   max_graphs=self.config.vision_graphs)
@@ -225,7 +230,16 @@ class ModelRunner:
             self._vision_timer.stop()
 
         self._forward_timer.start()
-        logits, sample_ids = self._forward_logits(out)
+        batch = decode_batch(out, self.positions, self.block_size)
+        if (self.pipeline is not None and batch is not None and not self.record_logits
+                and self._decode_graph_fits(out, batch) and pipeline_eligible(out, batch)):
+            tokens = self.pipeline.step(out, batch, waiting=out.num_waiting > 0)
+            self._forward_timer.stop()  # brackets the lookahead launched here: on average one step's time
+            self.last_timings = StepTimings(forward_s=self._forward_timer.seconds(), num_images=num_images)
+            return dict(zip(batch.sample_request_ids, tokens))
+        if self.pipeline is not None:
+            self.pipeline.drop()
+        logits, sample_ids = self._forward_logits(out, batch)
         sampled: dict[str, int] = {}
         if sample_ids:
             by_id = {s.request.request_id: s.request for s in out.scheduled}
@@ -248,10 +262,9 @@ class ModelRunner:
                                         forward_s=self._forward_timer.seconds(), num_images=num_images)
         return sampled
 
-    def _forward_logits(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
+    def _forward_logits(self, out: SchedulerOutput, batch: DecodeBatch | None) -> tuple[torch.Tensor, list[str]]:
         """Logits of the step's sampled rows and their request ids: a decode graph, a prefill/mixed-step graph,
-        or eager."""
-        batch = decode_batch(out, self.positions, self.block_size)
+        or eager (`batch`: the step as a DecodeBatch if it is pure decode)."""
         if batch is not None and self._decode_graph_fits(out, batch):
             return self.graphs.run(batch), batch.sample_request_ids
         if batch is not None:

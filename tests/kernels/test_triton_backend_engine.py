@@ -139,7 +139,7 @@ def test_decode_graphs_staging_gives_the_eager_tokens(tmp_path) -> None:
                {"prompt": "Two, text only, and longer."}, {"prompt": "Three."}]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 3, 8)]
     opts = dict(device=device, dtype="float32", kv_cache_tokens=2048, max_num_seqs=4, attention_backend="triton",
-                kernel_backend="torch", prefill_graph_max_tokens=0)
+                kernel_backend="torch", prefill_graph_max_tokens=0, max_model_len=64)  # few decode splits: fast
     expected = [o.token_ids for o in LLM(path, enforce_eager=True, **opts).generate(prompts, params)]
     llm = LLM(path, **opts)
     runner = llm.engine.runner
@@ -157,3 +157,45 @@ def test_decode_graphs_staging_gives_the_eager_tokens(tmp_path) -> None:
     runner.graphs.run = counting_run
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert 3 in sizes and any(s < 3 for s in sizes), sizes  # padded to 4, and smaller batches as requests end
+
+
+def test_greedy_lookahead_gives_the_eager_tokens(tmp_path) -> None:
+    """Greedy decode through the lookahead pipeline (each step launched before the previous one's tokens are
+    read, with those tokens fed on the device) gives the eager tokens: across requests of different lengths,
+    block boundaries, a stop token that ends a request after its lookahead was launched (dropped), and a
+    sampled request in the batch (no lookahead while it runs)."""
+    from flashvlm.runner.cuda_graph import DecodeGraphs
+    from flashvlm.runner.lookahead import GreedyDecodePipeline
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = str(build_qwen2_vl(tmp_path / "m", seed=9))
+    rng = np.random.default_rng(2)
+    prompts = [{"prompt": IMG + "One.", "images": [rng.integers(0, 256, (56, 56, 3), np.uint8)]},
+               {"prompt": "Two, text only, and longer."}, {"prompt": "Three."}]
+    opts = dict(device=device, dtype="float32", kv_cache_tokens=2048, max_num_seqs=4, attention_backend="triton",
+                kernel_backend="torch", prefill_graph_max_tokens=0, block_size=16, max_model_len=64)
+    eager = LLM(path, enforce_eager=True, **opts)
+    free_run = eager.generate(prompts[1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    stop = free_run.token_ids[4]  # request 2 stops on it, one step after a lookahead went out for it
+    params = [SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop]),
+              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)]
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+    assert len(expected[1]) < 8  # the stop token did end it early
+    llm = LLM(path, **opts)
+    runner = llm.engine.runner
+    if device == "cpu":
+        sched = llm.engine.config.scheduler
+        runner.graphs = DecodeGraphs(runner.model, runner.backend, runner.kv_caches, sched.max_num_seqs,
+                                     sched.max_model_len, runner.block_size, runner.device)
+        runner.pipeline = GreedyDecodePipeline(runner.graphs, runner.block_size, sched.max_model_len)
+    pipeline = runner.pipeline
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert pipeline.num_lookaheads > 10 and pipeline.num_dropped >= 1
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=3, ignore_eos=True)
+    mixed = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), sampled, sampled]
+    before = pipeline.num_lookaheads
+    mixed_prompts = [prompts[2], prompts[1], prompts[2]]
+    assert ([o.token_ids for o in llm.generate(mixed_prompts, mixed)]
+            == [o.token_ids for o in eager.generate(mixed_prompts, mixed)])
+    assert pipeline.num_lookaheads > before  # once the sampled request is done, the greedy ones go ahead again
