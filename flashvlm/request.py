@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,10 +81,18 @@ class MMItem:
     """Qwen only: (t, h, w) in patches."""
     image_size: tuple[int, int] = (0, 0)
     """Original (width, height), for reporting."""
+    pixel_decoder: Callable[[Any], Any] | None = None
+    """Set when pixel_values are compact (Qwen's host path: uint8 patches without the temporal copy): turns
+    them, on whatever device they are, into the model-ready floats. The runner applies it on the GPU."""
 
     @property
     def end(self) -> int:
         return self.offset + self.num_tokens
+
+    def model_pixels(self, device: Any = None) -> Any:
+        """pixel_values as the vision tower takes them (on `device`, if given)."""
+        pixels = self.pixel_values if device is None else self.pixel_values.to(device, non_blocking=True)
+        return pixels if self.pixel_decoder is None else self.pixel_decoder(pixels)
 
 
 class RequestStatus(enum.Enum):

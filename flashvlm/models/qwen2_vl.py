@@ -71,6 +71,12 @@ def mrope_positions(length: int, images: list[tuple[int, int, int, int, int, str
     return positions, int(positions.max()) + 1 - length
 
 
+
+def _device_pixels(item: MMItem, device: torch.device) -> torch.Tensor:
+    """The item's model-ready pixels on `device` (compact uint8 rows cross as they are and are finished there)."""
+    pixels = torch.as_tensor(item.pixel_values).to(device, non_blocking=True)
+    return pixels if item.pixel_decoder is None else item.pixel_decoder(pixels)
+
 class Qwen2VLForConditionalGeneration(VLModel):
     uses_mrope = True
     vision_graphable = True
@@ -105,8 +111,7 @@ class Qwen2VLForConditionalGeneration(VLModel):
             return []
         grids = [self._grid(item) for item in items]
         weight = self.visual.patch_embed.proj.weight
-        pixels = torch.cat([torch.as_tensor(item.pixel_values) for item in items])
-        pixels = pixels.to(device=weight.device, dtype=weight.dtype, non_blocking=True)
+        pixels = torch.cat([_device_pixels(item, weight.device) for item in items]).to(dtype=weight.dtype)
         features = self.visual(pixels, grids)
         return list(features.split([item.num_tokens for item in items]))
 

@@ -213,8 +213,13 @@ class InputProcessor:
             params = proc.processor_params(lo, hi)  # validates the overrides
             mm_hash = hash_image(img, params)
             cached = self.pixel_cache.get(mm_hash)
-            pixels, grid = cached if cached is not None else proc.preprocess(img, min_pixels=lo, max_pixels=hi,
-                                                                             device=self.preprocess_device)
+            if cached is not None:
+                pixels, grid = cached
+            elif self.preprocess_device is None:  # compact uint8 rows; the runner finishes them on its device
+                pixels, grid = proc.preprocess_compact(img, min_pixels=lo, max_pixels=hi)
+            else:
+                pixels, grid = proc.preprocess(img, min_pixels=lo, max_pixels=hi, device=self.preprocess_device)
+            decoder = proc.decode_compact if pixels.dtype == torch.uint8 else None
             num_tokens = proc.num_image_tokens(grid)
         elif isinstance(proc, ClipImageProcessor):
             if kwargs:
@@ -222,6 +227,7 @@ class InputProcessor:
             mm_hash = hash_image(img, proc.processor_params())
             cached = self.pixel_cache.get(mm_hash)
             pixels, grid = cached if cached is not None else (proc.preprocess(img, device=self.preprocess_device), None)
+            decoder = None
             cfg = self.checkpoint.hf_config
             num_tokens = proc.num_image_tokens(cfg.vision_config.patch_size, cfg.vision_feature_select_strategy)
         else:  # pragma: no cover - get_image_processor only returns the two above
@@ -229,7 +235,7 @@ class InputProcessor:
         if cached is None:
             self.pixel_cache.put(mm_hash, pixels, grid)
         return MMItem(mm_hash=mm_hash, pixel_values=pixels, num_tokens=num_tokens,
-                      grid_thw=grid, image_size=(img.width, img.height))
+                      grid_thw=grid, image_size=(img.width, img.height), pixel_decoder=decoder)
 
     def _expand_placeholders(self, token_ids: list[int], items: list[MMItem]) -> list[int]:
         """One placeholder token per image is expanded; prompts already expanded are accepted as they are."""

@@ -201,27 +201,56 @@ class QwenImageProcessor:
     def preprocess(self, img: Image.Image, min_pixels: int | None = None, max_pixels: int | None = None,
                    device: torch.device | str | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """-> (pixel_values float32 (patches, C*T*P*P), grid_thw (1, h, w)); one image repeated over T."""
+        if device is None or torch.device(device).type == "cpu":
+            compact, grid = self.preprocess_compact(img, min_pixels, max_pixels)
+            return self.decode_compact(compact), grid
+        img = self._resized(img, min_pixels, max_pixels)
+        x = _normalize(np.asarray(img), self, device)  # (H, W, C) float32 on the device
+        t, p = self.temporal_patch_size, self.patch_size
+        return self._patchify(x, img.height, img.width, t).contiguous(), (1, img.height // p, img.width // p)
+
+    def preprocess_compact(self, img: Image.Image, min_pixels: int | None = None,
+                           max_pixels: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """The host path up to the last step: resized, patchified uint8 rows (patches, C*P*P), neither normalized
+        nor repeated over T, an eighth of the model-ready float bytes. `decode_compact` finishes them, where
+        they are used (on the GPU in the engine), into exactly what `preprocess` returns."""
+        img = self._resized(img, min_pixels, max_pixels)
+        x = torch.from_numpy(np.array(img, dtype=np.uint8, order="C"))  # writable: torch wants that
+        p = self.patch_size
+        return self._patchify(x, img.height, img.width, 1).contiguous(), (1, img.height // p, img.width // p)
+
+    def decode_compact(self, x: torch.Tensor) -> torch.Tensor:
+        """uint8 rows of `preprocess_compact` -> float32 (patches, C*T*P*P): one table lookup (the normalization of
+        each of the 256 values of each channel, computed like `_normalize`), then the temporal copy."""
+        n, cols = x.shape
+        c = self._table.numel() // 256
+        per_channel = cols // c
+        offsets = torch.arange(0, 256 * c, 256, dtype=torch.int32, device=x.device).repeat_interleave(per_channel)
+        values = torch.index_select(self._table_on(x.device), 0, (x.to(torch.int32) + offsets).reshape(-1))
+        t = self.temporal_patch_size
+        return values.view(n, c, 1, per_channel).expand(n, c, t, per_channel).reshape(n, c * t * per_channel)
+
+    def _resized(self, img: Image.Image, min_pixels: int | None, max_pixels: int | None) -> Image.Image:
         img = _rgb(img)
         h, w = self.target_size(img.height, img.width, min_pixels, max_pixels)
-        if (h, w) != (img.height, img.width):
-            img = img.resize((w, h), resample=self.resample)
-        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        return img if (h, w) == (img.height, img.width) else img.resize((w, h), resample=self.resample)
+
+    def _patchify(self, x: torch.Tensor, h: int, w: int, t: int) -> torch.Tensor:
+        """(H, W, C) pixels -> rows ordered merge-window by merge-window (the patch merger folds m*m neighbours),
+        each laid out as (C, T, P, P) like the Conv3d patch embedding expects, the image repeated T times."""
+        p, m = self.patch_size, self.merge_size
         gh, gw = h // p, w // p
-        if device is not None and torch.device(device).type != "cpu":
-            x = _normalize(np.asarray(img), self, device)  # (H, W, C) float32 on the device
-        else:
-            # On the host: patchify the uint8 pixels first (a quarter of the bytes), then one table lookup gives
-            # the normalized floats in their final order; about half the time of normalizing then moving floats.
-            x = torch.from_numpy(np.array(img, dtype=np.uint8, order="C"))  # writable: torch wants that
         c = x.shape[-1]
-        # Rows are ordered merge-window by merge-window (the patch merger folds m*m neighbours),
-        # each row laid out as (C, T, P, P) like the Conv3d patch embedding expects.
         x = x.reshape(gh // m, m, p, gw // m, m, p, c).permute(0, 3, 1, 4, 6, 2, 5)
-        if x.dtype == torch.uint8:
-            index = (x.to(torch.int32) + torch.arange(0, 256 * c, 256, dtype=torch.int32).view(c, 1, 1)).reshape(-1)
-            x = torch.index_select(self._table, 0, index).view(x.shape)
         x = x.unsqueeze(5).expand(gh // m, gw // m, m, m, c, t, p, p)
-        return x.reshape(gh * gw, c * t * p * p).contiguous(), (1, gh, gw)
+        return x.reshape(gh * gw, c * t * p * p)
+
+    def _table_on(self, device: torch.device) -> torch.Tensor:
+        tables = self.__dict__.setdefault("_tables_by_device", {})
+        key = str(device)
+        if key not in tables:
+            tables[key] = self._table.to(device)
+        return tables[key]
 
     @functools.cached_property
     def _table(self) -> torch.Tensor:

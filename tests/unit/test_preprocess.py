@@ -102,6 +102,17 @@ def test_cpu_path_is_bit_exact() -> None:
     assert torch.equal(pv, ref)
 
 
+def test_compact_rows_decode_to_the_model_ready_pixels() -> None:
+    """The engine's host path: uint8 rows without the temporal copy (an eighth of the bytes), finished by
+    decode_compact into exactly transformers' pixel_values."""
+    img = rand_image(211, 157, seed=2)
+    proc = QwenImageProcessor.from_config(QWEN_CFG)
+    compact, grid = proc.preprocess_compact(img)
+    ref = hf_qwen(3136, 28 * 28 * 256)(img, return_tensors="pt")["pixel_values"]
+    assert compact.dtype == torch.uint8 and compact.shape == (ref.shape[0], ref.shape[1] // 2)
+    assert torch.equal(proc.decode_compact(compact), ref) and grid == proc.grid_thw(157, 211)
+
+
 def test_qwen_per_request_override_matches_hf() -> None:
     img = rand_image(1000, 700, seed=2)
     proc = QwenImageProcessor.from_config({**QWEN_CFG, "max_pixels": 28 * 28 * 1280})
