@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from flashvlm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from flashvlm.engine.engine import Engine
 from flashvlm.processing.input_processor import ProcessedPrompt
 from flashvlm.request import InvalidRequestError, RequestOutput, SamplingParams
+
+PREPROCESS_THREADS = 4
+"""Threads preprocessing a batch of prompts while the engine runs (image decode and resize release the GIL)."""
 
 
 class LLM:
@@ -61,8 +66,8 @@ class LLM:
         text carries one image placeholder per image (e.g. <|vision_start|><|image_pad|><|vision_end|>)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        processed = [self.engine.process_prompt(p) for p in prompts]
-        return self._run(processed, sampling_params, priority, use_tqdm)
+        return self._run([functools.partial(self.engine.process_prompt, p) for p in prompts], sampling_params,
+                         priority, use_tqdm)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -73,13 +78,17 @@ class LLM:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidRequestError("messages must be a non-empty list")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        processed = [self.engine.process_chat(c, chat_template=chat_template, mm_processor_kwargs=mm_processor_kwargs)
-                     for c in conversations]
-        return self._run(processed, sampling_params, None, use_tqdm)
+        jobs = [functools.partial(self.engine.process_chat, c, chat_template=chat_template,
+                                  mm_processor_kwargs=mm_processor_kwargs) for c in conversations]
+        return self._run(jobs, sampling_params, None, use_tqdm)
 
-    def _run(self, processed: list[ProcessedPrompt], sampling_params: Any, priority: Sequence[int] | None,
+    def _run(self, jobs: list[Callable[[], ProcessedPrompt]], sampling_params: Any, priority: Sequence[int] | None,
              use_tqdm: bool) -> list[RequestOutput]:
-        n = len(processed)
+        """Preprocess the prompts (images: decode, hash, resize, patchify) on a few threads while the engine
+        already runs the first ones; requests are added in prompt order as their preprocessing ends (with
+        priorities, all are added before the first step, so the order among them holds). A prompt that fails
+        preprocessing aborts those already added and raises."""
+        n = len(jobs)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.engine.default_sampling_params()] * n
         else:
@@ -88,40 +97,52 @@ class LLM:
                 raise InvalidRequestError(f"{len(params)} sampling params for {n} prompts")
         if priority is not None and len(priority) != n:
             raise InvalidRequestError(f"{len(priority)} priorities for {n} prompts")
-        for p in params:  # every prompt is checked before any is queued, so a bad one leaves nothing behind
+        for p in params:  # every parameter is checked before any prompt is queued
             if not isinstance(p, SamplingParams):
                 raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
             p.validate()
-        ids = []
-        try:
-            for i, (pp, sp) in enumerate(zip(processed, params)):
-                req = self.engine.add_processed(pp, sp, priority=priority[i] if priority else 0)
-                ids.append(req.request_id)
-        except Exception:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise
-        return self._drain(ids, use_tqdm)
+        pool = ThreadPoolExecutor(max_workers=min(PREPROCESS_THREADS, n)) if n > 1 else None
+        futures = [pool.submit(job) for job in jobs] if pool is not None else None
+        ids: list[str] = []
+        wait_for_all = priority is not None
 
-    def _drain(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        pending = set(ids)
+        def add_ready(block: bool) -> None:
+            """Add, in order, every prompt whose preprocessing is done (waiting for the next one if `block`)."""
+            while len(ids) < n:
+                k = len(ids)
+                if futures is not None and not (block or wait_for_all or futures[k].done()):
+                    return
+                processed = futures[k].result() if futures is not None else jobs[k]()
+                block = False
+                req = self.engine.add_processed(processed, params[k], priority=priority[k] if priority else 0)
+                ids.append(req.request_id)
+
+        try:
+            return self._drain(n, ids, add_ready, use_tqdm)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+
+    def _drain(self, n: int, ids: list[str], add_ready: Callable[[bool], None],
+               use_tqdm: bool) -> list[RequestOutput]:
         finals: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(ids), desc="generating", unit="req")
+            bar = tqdm(total=n, desc="generating", unit="req")
         try:
-            while pending:
+            while len(finals) < n:
+                add_ready(not self.engine.has_unfinished_requests())
                 for out in self.engine.step():
-                    if out.finished and out.request_id in pending:
+                    if out.finished and out.request_id in ids and out.request_id not in finals:
                         finals[out.request_id] = out
-                        pending.discard(out.request_id)
                         if bar is not None:
                             bar.update(1)
         except BaseException:
-            for rid in pending:
-                self.engine.abort_request(rid)
+            for rid in ids:
+                if rid not in finals:
+                    self.engine.abort_request(rid)
             raise
         finally:
             if bar is not None:

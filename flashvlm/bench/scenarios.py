@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
 from flashvlm.bench.records import BenchRequest, RequestRecord, ScenarioResult
-from flashvlm.llm import LLM
+from flashvlm.llm import LLM, PREPROCESS_THREADS
 from flashvlm.request import RequestOutput, SamplingParams
 
 ProgressFn = Callable[[int], None]
@@ -60,12 +61,14 @@ class _Tracker:
         return finished
 
 
-def _submit(llm: LLM, tracker: _Tracker, req: BenchRequest) -> str | None:
+def _submit(llm: LLM, tracker: _Tracker, req: BenchRequest, start: float | None = None,
+            processed: Future | None = None) -> str | None:
+    """Preprocess (or take the result of `processed`, started at `start`) and add one request."""
     engine = llm.engine
-    start = time.time()
+    start = time.time() if start is None else start
     try:
-        processed = engine.process_prompt(req.engine_prompt())
-        engine_req = engine.add_processed(processed, sampling_for(req), arrival_time=start)
+        prompt = processed.result() if processed is not None else engine.process_prompt(req.engine_prompt())
+        engine_req = engine.add_processed(prompt, sampling_for(req), arrival_time=start)
     except ValueError as e:  # InvalidRequestError and friends: recorded, the run goes on
         tracker.records[f"failed-{req.request_id}"] = RequestRecord(
             request_id=req.request_id, success=False, error=str(e), start_time=start, num_images=len(req.images))
@@ -147,14 +150,22 @@ def run_latency(llm: LLM, requests: list[BenchRequest], workload: dict, label: s
 
 def run_throughput(llm: LLM, requests: list[BenchRequest], workload: dict, label: str = "flashvlm",
                    progress: ProgressFn | None = None) -> ScenarioResult:
-    """All requests submitted at once (MLPerf Offline); throughput over the whole run."""
-    with _Run(llm) as run:
-        for req in requests:
-            _submit(llm, run.tracker, req)
-        while run.engine.has_unfinished_requests():
-            done = run.tracker.observe(run.engine.step(), time.time())
-            if progress and done:
-                progress(len(done))
+    """All requests submitted at once (MLPerf Offline); throughput over the whole run. As in `LLM.generate`
+    and the server, images are preprocessed on a few threads while the engine runs the requests already added
+    (in order, as each is ready); every request's clock starts at the submission of all."""
+    engine = llm.engine
+    with _Run(llm) as run, ThreadPoolExecutor(max_workers=PREPROCESS_THREADS) as pool:
+        start = time.time()
+        futures = [pool.submit(engine.process_prompt, req.engine_prompt()) for req in requests]
+        added = 0
+        while added < len(requests) or engine.has_unfinished_requests():
+            while added < len(requests) and (futures[added].done() or not engine.has_unfinished_requests()):
+                _submit(llm, run.tracker, requests[added], start, futures[added])
+                added += 1
+            if engine.has_unfinished_requests():
+                done = run.tracker.observe(engine.step(), time.time())
+                if progress and done:
+                    progress(len(done))
     return run.result("throughput", label, workload)
 
 

@@ -71,6 +71,16 @@ def test_bad_prompt(llm: LLM, prompt: dict, needle: str) -> None:
     _still_works(llm)
 
 
+def test_bad_prompt_amid_good_ones_aborts_the_batch(llm: LLM) -> None:
+    """Prompts are preprocessed on threads while the first ones already run: a bad one in the middle of a
+    batch raises, the good ones already added are aborted, and nothing is left held."""
+    good = {"prompt": IMG + "fine", "images": [_image()]}
+    bad = {"prompt": IMG, "images": [b"\x89PNG\r\n\x1a\n-corrupt"]}
+    with pytest.raises(InvalidRequestError, match="image 0"):
+        llm.generate([good, good, bad, good], SamplingParams(max_tokens=50, ignore_eos=True))
+    _still_works(llm)
+
+
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(max_tokens=0), "max_tokens"), (dict(top_k=-5), "top_k"), (dict(min_p=2.0), "min_p"),
