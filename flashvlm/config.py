@@ -54,6 +54,10 @@ class SchedulerConfig:
     """Soft cap per group (the SLA tiers' share of max_num_seqs): past it, a group's requests start only on
     slots no other waiting request takes, and such a borrowed slot is taken back (preempted) when a
     better-priority request of a group within its share finds the batch full."""
+    lookahead_slots: int = 0
+    """Filled by the engine: 1 when the runner launches decode steps ahead (decode_lookahead with CUDA graphs).
+    A decoding request then also holds the block of its next token when one is free, so the step launched
+    ahead never waits on an allocation; no request is ever preempted for such a slot."""
     shared_prefix_wait_tokens: int = 256
     """A waiting request whose next uncached prompt blocks (this many tokens or more, e.g. a repeated image's
     placeholders) are being computed right now by a running request waits until they are cached, and lets

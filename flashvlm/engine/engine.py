@@ -63,6 +63,7 @@ class Engine:
             self.input_processor.profile_items(config.scheduler.max_num_batched_tokens))
         config.cache.num_blocks = num_blocks
         self.runner.allocate_kv_cache(num_blocks)
+        config.scheduler.lookahead_slots = 1 if self.runner.pipeline is not None else 0
         self.scheduler = Scheduler(config.scheduler,
                                    BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching),
                                    EncoderCacheManager(cache.encoder_cache_tokens))

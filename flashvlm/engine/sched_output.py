@@ -34,8 +34,9 @@ class SchedulerOutput:
     """Embeddings (by mm_hash) no request needs any more; the runner drops them."""
     finished_request_ids: list[str] = field(default_factory=list)
     """Requests that left (finished, aborted or preempted) since the last step: runner drops their state."""
-    num_waiting: int = 0
-    """Requests still waiting after this step's admissions (the runner launches no decode lookahead then)."""
+    may_admit: bool = False
+    """Requests wait and a batch slot is free: the next step may admit one, so the runner launches no decode
+    step ahead (it would likely be dropped)."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

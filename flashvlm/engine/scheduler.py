@@ -195,7 +195,7 @@ class Scheduler:
             encoder_inputs=encoder_inputs,
             free_encoder_hashes=self.encoder_cache.pop_freeable(),
             finished_request_ids=self._left_since_last_step,
-            num_waiting=len(self._waiting),
+            may_admit=bool(self._waiting) and len(self._running) < self.config.max_num_seqs,
         )
         self._left_since_last_step = []
         return output
@@ -225,6 +225,12 @@ class Scheduler:
         latest arrival) while blocks run out. False if that preempted the request itself."""
         num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
         target = req.num_computed_tokens + num_new
+        ahead = self.config.lookahead_slots
+        # Only from a comfortable surplus (a block for every running request left over), so a lookahead slot
+        # never makes another request's real token preempt anyone.
+        if (ahead and num_new == 1 and req.output_token_ids and target + ahead <= self.max_kv_tokens(req)
+                and self.block_manager.num_free_blocks > len(self._running)):
+            self.block_manager.allocate_slots(req.request_id, target + ahead)
         while not self.block_manager.allocate_slots(req.request_id, target):
             # The tail is never a request already given blocks ahead of this one in priority order.
             victim = self._running[-1]

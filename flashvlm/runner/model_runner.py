@@ -234,7 +234,7 @@ class ModelRunner:
         batch = decode_batch(out, self.positions, self.block_size)
         if (self.pipeline is not None and batch is not None and not self.record_logits
                 and self._decode_graph_fits(out, batch) and pipeline_eligible(out, batch)):
-            tokens = self.pipeline.step(out, batch, waiting=out.num_waiting > 0)
+            tokens = self.pipeline.step(out, batch, waiting=out.may_admit)
             self._forward_timer.stop()  # brackets the lookahead launched here: on average one step's time
             self.last_timings = StepTimings(forward_s=self._forward_timer.seconds(), num_images=num_images)
             return dict(zip(batch.sample_request_ids, tokens))

@@ -189,7 +189,9 @@ def test_greedy_lookahead_gives_the_eager_tokens(tmp_path) -> None:
         runner.graphs = DecodeGraphs(runner.model, runner.backend, runner.kv_caches, sched.max_num_seqs,
                                      sched.max_model_len, runner.block_size, runner.device)
         runner.pipeline = GreedyDecodePipeline(runner.graphs, runner.block_size, sched.max_model_len)
+        sched.lookahead_slots = 1  # what the engine sets when it builds the pipeline itself (on CUDA)
     pipeline = runner.pipeline
+    assert llm.engine.scheduler.config.lookahead_slots == 1
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert pipeline.num_lookaheads > 10 and pipeline.num_dropped >= 1
     sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=3, ignore_eos=True)

@@ -109,7 +109,8 @@ class FakeRunner:
             req = sr.request
             tokens = kv_values(req.all_token_ids, req.mm_items)
             assert sr.num_new_tokens > 0 and sr.end <= req.num_tokens
-            assert len(sr.block_ids) == -(-sr.end // self.bs) and 0 not in sr.block_ids
+            need = -(-sr.end // self.bs)  # a lookahead slot may hold the next token's block too
+            assert len(sr.block_ids) - need in (0, self.sched.config.lookahead_slots) and 0 not in sr.block_ids
             all_blocks += sr.block_ids
             for item in req.mm_items:
                 if item.offset < sr.end and item.end > sr.start:
@@ -498,3 +499,28 @@ def test_randomized_workload_ends_clean(caching: bool) -> None:
         assert sched.encoder_cache.num_hits > 0 and sched.num_images_skipped > 0
     for rid in done:
         assert finished[rid].output_token_ids == expected[rid], rid
+
+
+def test_lookahead_slot_holds_the_next_tokens_block_when_blocks_are_plentiful() -> None:
+    """With lookahead_slots=1 a decoding request also holds the block of its next token (the runner's decode
+    step launched ahead writes there), never on its last step, and never from a scarce pool."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, lookahead_slots=1),
+                      BlockManager(64, 4), EncoderCacheManager(0))
+    runner = FakeRunner(sched)
+    req = make_req("a", 7, max_tokens=6)
+    add(sched, req)
+    step(sched, runner)  # prefill of 7 tokens: blocks for 7 tokens, no lookahead
+    assert sched.block_manager.num_blocks_of("a") == 2
+    step(sched, runner)  # decode at position 7 (block 2) with a slot for position 8: a third block, early
+    assert req.num_computed_tokens == 8 and sched.block_manager.num_blocks_of("a") == 3
+    finished = drive(sched, runner)
+    assert finished["a"].output_token_ids == expected_output(req.prompt_token_ids, 6)
+    scarce = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, lookahead_slots=1),
+                       BlockManager(4, 4), EncoderCacheManager(0))  # 3 usable blocks, 1 running request
+    r = make_req("b", 7, max_tokens=6)
+    add(scarce, r)
+    runner = FakeRunner(scarce)
+    step(scarce, runner)
+    step(scarce, runner)  # one free block for one running request: no surplus, so nothing is taken early
+    assert r.num_computed_tokens == 8 and scarce.block_manager.num_blocks_of("b") == 2
+    assert drive(scarce, runner)["b"].output_token_ids == expected_output(r.prompt_token_ids, 6)
