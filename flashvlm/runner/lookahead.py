@@ -6,14 +6,16 @@ When every row of a pure-decode batch is greedy, the decode graph's own argmax g
 step of the same batch (positions + 1, same blocks) can be launched at once with those tokens fed on the
 device. The engine then reads this step's tokens and does its host work while the GPU computes the next step.
 
-The scheduler is untouched. If its next step is exactly the step launched ahead (same requests in the same
+The scheduler decides as before (it only reserves each decoding request's next block early when blocks are
+plentiful: `lookahead_slots`). If its next step is exactly the step launched ahead (same requests in the same
 order, positions, slots and lengths), the runner takes that step's tokens; otherwise (a request finished or
 was preempted, a new one was admitted) the lookahead is dropped. Its only side effect was writing the KV of
 each row's newest token into that row's next slot, which the real step writes identically, or which lies past
 the computed tokens of a finished request, in a block that is not in the prefix cache (only full, computed
 blocks are). A lookahead is launched only when every row continues (no max_tokens or max_model_len end this
-step), its next slot is in a block it already holds, and no request is waiting to be admitted, so it is
-rarely dropped.
+step), its next slot is in a block it already holds, and no waiting request could take a free batch slot, so
+it is dropped mostly when a request ends on EOS or a stop string. Any step that does not go through the
+pipeline drops the lookahead first, so a lookahead never outlives a change of batch.
 """
 
 from __future__ import annotations
