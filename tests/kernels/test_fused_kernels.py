@@ -19,10 +19,15 @@ pytest.importorskip("triton")
 
 from flashvlm.kernels import dispatch  # noqa: E402
 from flashvlm.kernels import rmsnorm as rmsnorm_mod  # noqa: E402
-from flashvlm.kernels.activation import silu_and_mul_reference, silu_and_mul_triton  # noqa: E402
+from flashvlm.kernels.activation import (  # noqa: E402
+    quick_gelu_reference,
+    quick_gelu_triton,
+    silu_and_mul_reference,
+    silu_and_mul_triton,
+)
 from flashvlm.kernels.rmsnorm import rms_norm_reference, rmsnorm_triton  # noqa: E402
 from flashvlm.kernels.rotary import rotary_qk_inplace  # noqa: E402
-from flashvlm.layers.activation import SiluAndMul, silu_and_mul  # noqa: E402
+from flashvlm.layers.activation import Activation, SiluAndMul, quick_gelu, silu_and_mul  # noqa: E402
 from flashvlm.layers.norm import RMSNorm, fused_add_rmsnorm  # noqa: E402
 from flashvlm.layers.rotary import (  # noqa: E402
     MRotaryEmbedding,
@@ -125,6 +130,27 @@ def test_silu_and_mul(device, dtype, inter):
     assert_matches(silu_and_mul(x3, force=True), silu_and_mul_reference(x3))
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("shape", [(7, 300), (3, 5, 1280)])  # partial blocks; a 3-D activation
+def test_quick_gelu(device, dtype, shape):
+    x = torch.randn(*shape, dtype=dtype, device=device) * 4
+    assert_matches(quick_gelu_triton(x), quick_gelu_reference(x))
+    assert_matches(quick_gelu(x, force=True), quick_gelu_reference(x))
+    strided = torch.randn(shape[0], 2 * shape[-1], dtype=dtype, device=device)[:, ::2]
+    assert_matches(quick_gelu_triton(strided), quick_gelu_reference(strided))
+
+
+def test_activation_module_dispatch(monkeypatch):
+    """The vision MLPs' Activation takes the kernel on CUDA tensors unless the layer's kernels are off; the
+    others are their torch functions. No weights: checkpoints load as before."""
+    act = Activation("quick_gelu")
+    assert list(act.state_dict()) == [] and act.use_triton_kernels
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(act(x), quick_gelu_reference(x))  # CPU tensor: the torch path
+    with pytest.raises(ValueError, match="unsupported activation"):
+        Activation("swish-ish")
+
+
 # --- rotary (queries and keys in place on the packed QKV output) ----------------------------------------------
 
 
@@ -198,6 +224,8 @@ def test_cpu_tensors_take_the_torch_path_by_default(monkeypatch):
 
     monkeypatch.setattr(rmsnorm_mod, "rmsnorm_triton", boom)
     monkeypatch.setattr(act_mod, "silu_and_mul_triton", boom)
+    monkeypatch.setattr(act_mod, "quick_gelu_triton", boom)
+    Activation("quick_gelu")(torch.randn(4, 16))
     x = torch.randn(4, 32)
     assert not dispatch.use_triton(x)
     norm = RMSNorm(32)
