@@ -19,7 +19,7 @@ and printed text (colour, count, left/right/above/below, numbers and words; docs
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="path to a Hugging Face checkpoint folder (default: the embedded tiny model)")
+                   help="path to a Hugging Face checkpoint folder (default: the embedded demo model, docs/demo.md)")
     g.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda if available)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="weights and activations dtype (auto: the checkpoint's on GPU, float32 on CPU)")
