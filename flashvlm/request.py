@@ -82,8 +82,8 @@ class MMItem:
     image_size: tuple[int, int] = (0, 0)
     """Original (width, height), for reporting."""
     pixel_decoder: Callable[[Any], Any] | None = None
-    """Set when pixel_values are compact (Qwen's host path: uint8 patches without the temporal copy): turns
-    them, on whatever device they are, into the model-ready floats. The runner applies it on the GPU."""
+    """Set when pixel_values are compact (Qwen's host path: the resized uint8 image): turns them, on whatever
+    device they are, into the model-ready floats (patchify, normalize). The runner applies it on the GPU."""
 
     @property
     def end(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -186,7 +187,7 @@ def _floors(llm, requests: list[BenchRequest], args: argparse.Namespace):
     n = max(len(requests), 1)
     processed = [llm.engine.process_prompt(r.engine_prompt()) for r in requests[: min(n, 8)]]
     prompt = sum(len(p.prompt_token_ids) for p in processed) / len(processed)
-    patches = sum(it.pixel_values.shape[0] if it.grid_thw else (it.num_tokens + 1)
+    patches = sum(math.prod(it.grid_thw) if it.grid_thw else (it.num_tokens + 1)
                   for p in processed for it in p.mm_items) / len(processed)
     output = sum(r.max_tokens for r in requests) / n
     return workload_floors(model_cost(llm.engine.model), prompt, output, patches,

@@ -211,22 +211,24 @@ class QwenImageProcessor:
 
     def preprocess_compact(self, img: Image.Image, min_pixels: int | None = None,
                            max_pixels: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """The host path up to the last step: resized, patchified uint8 rows (patches, C*P*P), neither normalized
-        nor repeated over T, an eighth of the model-ready float bytes. `decode_compact` finishes them, where
-        they are used (on the GPU in the engine), into exactly what `preprocess` returns."""
+        """The host path up to the resize: the resized image as uint8 (H, W, C), an eighth of the model-ready
+        float bytes. `decode_compact` finishes it where it is used (on the GPU in the engine: patchify,
+        normalize, temporal copy) into exactly what `preprocess` returns."""
         img = self._resized(img, min_pixels, max_pixels)
-        x = torch.from_numpy(np.array(img, dtype=np.uint8, order="C"))  # writable: torch wants that
         p = self.patch_size
-        return self._patchify(x, img.height, img.width, 1).contiguous(), (1, img.height // p, img.width // p)
+        # np.array copies, so the tensor owns writable memory (torch wants that); one copy, no patchify here.
+        return torch.from_numpy(np.array(img, dtype=np.uint8, order="C")), (1, img.height // p, img.width // p)
 
     def decode_compact(self, x: torch.Tensor) -> torch.Tensor:
-        """uint8 rows of `preprocess_compact` -> float32 (patches, C*T*P*P): one table lookup (the normalization of
-        each of the 256 values of each channel, computed like `_normalize`), then the temporal copy."""
-        n, cols = x.shape
-        c = self._table.numel() // 256
+        """uint8 (H, W, C) of `preprocess_compact` -> float32 (patches, C*T*P*P): patch order, then one table
+        lookup (the normalization of each of the 256 values of each channel, computed like `_normalize`), then
+        the temporal copy."""
+        h, w, c = x.shape
+        rows = self._patchify(x, h, w, 1)  # (patches, C*P*P) uint8, a strided view until the lookup gathers it
+        n, cols = rows.shape
         per_channel = cols // c
         offsets = torch.arange(0, 256 * c, 256, dtype=torch.int32, device=x.device).repeat_interleave(per_channel)
-        values = torch.index_select(self._table_on(x.device), 0, (x.to(torch.int32) + offsets).reshape(-1))
+        values = torch.index_select(self._table_on(x.device), 0, (rows.to(torch.int32) + offsets).reshape(-1))
         t = self.temporal_patch_size
         return values.view(n, c, 1, per_channel).expand(n, c, t, per_channel).reshape(n, c * t * per_channel)
 

@@ -103,13 +103,14 @@ def test_cpu_path_is_bit_exact() -> None:
 
 
 def test_compact_rows_decode_to_the_model_ready_pixels() -> None:
-    """The engine's host path: uint8 rows without the temporal copy (an eighth of the bytes), finished by
-    decode_compact into exactly transformers' pixel_values."""
+    """The engine's host path: the resized uint8 image (an eighth of the float bytes), finished by
+    decode_compact (patchify, normalize, temporal copy) into exactly transformers' pixel_values."""
     img = rand_image(211, 157, seed=2)
     proc = QwenImageProcessor.from_config(QWEN_CFG)
     compact, grid = proc.preprocess_compact(img)
     ref = hf_qwen(3136, 28 * 28 * 256)(img, return_tensors="pt")["pixel_values"]
-    assert compact.dtype == torch.uint8 and compact.shape == (ref.shape[0], ref.shape[1] // 2)
+    h, w = proc.target_size(157, 211)
+    assert compact.dtype == torch.uint8 and compact.shape == (h, w, 3) and compact.numel() * 8 == ref.numel() * 4
     assert torch.equal(proc.decode_compact(compact), ref) and grid == proc.grid_thw(157, 211)
 
 
