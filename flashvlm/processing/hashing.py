@@ -31,12 +31,13 @@ def _canonical(value: Any) -> Any:
     return value
 
 
-def hash_image(img: Image.Image, processor_params: Mapping[str, Any]) -> str:
+def hash_image(img: Image.Image, processor_params: Mapping[str, Any], pixels: bytes | None = None) -> str:
     """Hex XXH3-128 digest over mode, size, raw pixel bytes and sorted-JSON processor params.
 
     XXH3 rather than a cryptographic hash: it runs at memory speed (a 1008x756 picture in ~0.2 ms against ~3 ms
     for blake2b), and it sits on the time to first token of every request with an image. Its 128 bits make an
-    accidental collision between two pictures negligible; the key is not a defence against crafted inputs."""
+    accidental collision between two pictures negligible; the key is not a defence against crafted inputs.
+    `pixels`: img.tobytes() if the caller has it already (the copy costs about as much as the hash)."""
     h = xxhash.xxh3_128()
     h.update(_HASH_VERSION)
     params = json.dumps(_canonical(processor_params), sort_keys=True, separators=(",", ":"))
@@ -44,5 +45,5 @@ def hash_image(img: Image.Image, processor_params: Mapping[str, Any]) -> str:
     for part in (img.mode.encode(), f"{img.width}x{img.height}".encode(), params.encode()):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
-    h.update(img.tobytes())
+    h.update(img.tobytes() if pixels is None else pixels)
     return h.hexdigest()

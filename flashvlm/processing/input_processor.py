@@ -211,12 +211,13 @@ class InputProcessor:
                 raise InvalidRequestError(f"unknown mm_processor_kwargs {sorted(unknown)} (min_pixels, max_pixels)")
             lo, hi = kwargs.get("min_pixels"), kwargs.get("max_pixels")
             params = proc.processor_params(lo, hi)  # validates the overrides
-            mm_hash = hash_image(img, params)
+            raw = img.tobytes()  # once, for the hash and (without a resize) the compact pixels
+            mm_hash = hash_image(img, params, raw)
             cached = self.pixel_cache.get(mm_hash)
             if cached is not None:
                 pixels, grid = cached
-            elif self.preprocess_device is None:  # compact uint8 rows; the runner finishes them on its device
-                pixels, grid = proc.preprocess_compact(img, min_pixels=lo, max_pixels=hi)
+            elif self.preprocess_device is None:  # the compact uint8 image; the runner finishes it on its device
+                pixels, grid = proc.preprocess_compact(img, min_pixels=lo, max_pixels=hi, pixels=raw)
             else:
                 pixels, grid = proc.preprocess(img, min_pixels=lo, max_pixels=hi, device=self.preprocess_device)
             decoder = proc.decode_compact if pixels.dtype == torch.uint8 else None

@@ -209,15 +209,21 @@ class QwenImageProcessor:
         t, p = self.temporal_patch_size, self.patch_size
         return self._patchify(x, img.height, img.width, t).contiguous(), (1, img.height // p, img.width // p)
 
-    def preprocess_compact(self, img: Image.Image, min_pixels: int | None = None,
-                           max_pixels: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    def preprocess_compact(self, img: Image.Image, min_pixels: int | None = None, max_pixels: int | None = None,
+                           pixels: bytes | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """The host path up to the resize: the resized image as uint8 (H, W, C), an eighth of the model-ready
         float bytes. `decode_compact` finishes it where it is used (on the GPU in the engine: patchify,
-        normalize, temporal copy) into exactly what `preprocess` returns."""
-        img = self._resized(img, min_pixels, max_pixels)
+        normalize, temporal copy) into exactly what `preprocess` returns. `pixels`: the RGB image's tobytes(),
+        if the caller has it (used when no resize is needed)."""
+        resized = self._resized(img, min_pixels, max_pixels)
         p = self.patch_size
+        grid = (1, resized.height // p, resized.width // p)
+        if pixels is not None and resized is img and img.mode == "RGB":
+            # A plain memcpy of the bytes we hold (PIL's tobytes is slower); a bytearray, as torch wants writable.
+            return torch.frombuffer(bytearray(pixels), dtype=torch.uint8).view(img.height, img.width, 3), grid
+        img = resized
         # np.array copies, so the tensor owns writable memory (torch wants that); one copy, no patchify here.
-        return torch.from_numpy(np.array(img, dtype=np.uint8, order="C")), (1, img.height // p, img.width // p)
+        return torch.from_numpy(np.array(img, dtype=np.uint8, order="C")), grid
 
     def decode_compact(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 (H, W, C) of `preprocess_compact` -> float32 (patches, C*T*P*P): patch order, then one table
