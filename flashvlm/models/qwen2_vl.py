@@ -73,7 +73,7 @@ def mrope_positions(length: int, images: list[tuple[int, int, int, int, int, str
 
 
 def _device_pixels(item: MMItem, device: torch.device) -> torch.Tensor:
-    """The item's model-ready pixels on `device` (compact uint8 rows cross as they are and are finished there)."""
+    """The item's model-ready pixels on `device` (a compact uint8 image crosses as it is and is finished there)."""
     pixels = torch.as_tensor(item.pixel_values).to(device, non_blocking=True)
     return pixels if item.pixel_decoder is None else item.pixel_decoder(pixels)
 

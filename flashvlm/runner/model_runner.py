@@ -313,7 +313,7 @@ class ModelRunner:
                     items.append(item)
         if not items:
             return 0
-        # Compact pixels (uint8 patch rows) cross to the device as they are and are finished there.
+        # Compact pixels (the resized uint8 image) cross to the device as they are and are finished there.
         items = [dataclasses.replace(it, pixel_values=it.model_pixels(self.device), pixel_decoder=None)
                  if it.pixel_decoder is not None else it for it in items]
         encode = self.vision_graphs if self.vision_graphs is not None else self.model.encode_images
