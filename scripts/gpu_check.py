@@ -1,6 +1,6 @@
 """GPU correctness and kernel timing for the fast path (issue 4). Prints a short table; JSON under $OUT.
 
-    PYTHONPATH=. python scripts/gpu_check.py            # PARITY_MODEL=DIR: parity on that checkpoint
+    PYTHONPATH=. python scripts/gpu_check.py            # PARITY_MODEL=DIR: that checkpoint instead of the demo
 
 1. Tiny Qwen2-VL in bf16: greedy tokens of the Triton path (attention + fused kernels) equal the
    reference path (torch attention + torch ops) for 64 tokens, several prompts with images.
@@ -35,27 +35,34 @@ def parity() -> None:
                 "images": [rng.integers(0, 256, (56 * (k % 4 + 1), 84, 3), dtype=np.uint8) for _ in range(k % 3)]}
                for k in range(5)]  # 5 requests: the graph pads the batch to 8
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    # PARITY_MODEL=path checks another tiny checkpoint (e.g. the trained demo model, whose confident logits
-    # leave few near-ties for bf16 rounding to flip) instead of a random one.
-    model = os.environ.get("PARITY_MODEL")
-    for dtype in ("float32", "bfloat16"):
-        path = model or str(build_qwen2_vl(tempfile.mkdtemp(), seed=9, dtype=getattr(torch, dtype)))
-        outs, first_logits = {}, {}
-        for name, kw in CONFIGS.items():
-            llm = LLM(path, device="cuda", dtype=dtype, kv_cache_tokens=16384, max_num_seqs=8, **kw)
-            llm.engine.runner.record_logits = True
-            res = llm.generate(prompts, params)
-            outs[name] = [o.token_ids for o in res]
-            first_logits[name] = torch.stack([llm.engine.runner.recorded_logits[o.request_id][0] for o in res])
-            del llm
-        for name in ("triton-eager", "triton-graphs"):
-            ref = outs["reference"] if name == "triton-eager" else outs["triton-eager"]
-            same = sum(a == b for a, b in zip(ref, outs[name]))
-            agree = float(np.mean([np.mean(np.array(a) == np.array(b)) for a, b in zip(ref, outs[name])]))
-            diff = (first_logits[name] - first_logits["reference"]).abs().max().item()
-            key = f"{dtype}:{name}_vs_{'reference' if name == 'triton-eager' else 'triton-eager'}"
-            RES[key] = dict(identical=f"{same}/{len(prompts)}", token_agreement=agree, first_logits_maxdiff=diff)
-            print(key, RES[key], flush=True)
+    # A random tiny model, and the trained demo model, whose confident logits leave few near-ties for bf16
+    # rounding to flip (PARITY_MODEL=path: that checkpoint instead of the demo).
+    from flashvlm.models.default import default_model_path
+
+    trained = os.environ.get("PARITY_MODEL") or str(default_model_path())
+    for label, model in (("random", None), ("demo", trained)):
+        for dtype in ("float32", "bfloat16"):
+            path = model or str(build_qwen2_vl(tempfile.mkdtemp(), seed=9, dtype=getattr(torch, dtype)))
+            outs, first_logits = {}, {}
+            for name, kw in CONFIGS.items():
+                llm = LLM(path, device="cuda", dtype=dtype, kv_cache_tokens=16384, max_num_seqs=8, **kw)
+                # Tokens first, without recording logits: graphs then run the greedy decode lookahead too.
+                outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
+                llm.engine.runner.record_logits = True
+                first = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+                first_logits[name] = torch.stack([llm.engine.runner.recorded_logits[o.request_id][0] for o in first])
+                if name == "triton-graphs" and llm.engine.runner.pipeline is not None:
+                    p = llm.engine.runner.pipeline
+                    RES[f"{label}:{dtype}:lookaheads"] = dict(launched=p.num_lookaheads, dropped=p.num_dropped)
+                del llm
+            for name in ("triton-eager", "triton-graphs"):
+                ref = outs["reference"] if name == "triton-eager" else outs["triton-eager"]
+                same = sum(a == b for a, b in zip(ref, outs[name]))
+                agree = float(np.mean([np.mean(np.array(a) == np.array(b)) for a, b in zip(ref, outs[name])]))
+                diff = (first_logits[name] - first_logits["reference"]).abs().max().item()
+                key = f"{label}:{dtype}:{name}_vs_{'reference' if name == 'triton-eager' else 'triton-eager'}"
+                RES[key] = dict(identical=f"{same}/{len(prompts)}", token_agreement=agree, first_logits_maxdiff=diff)
+                print(key, RES[key], RES.get(f"{label}:{dtype}:lookaheads", ""), flush=True)
 
 
 def kernel_timings() -> None:
