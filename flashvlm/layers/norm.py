@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from flashvlm.kernels.dispatch import use_triton
@@ -42,3 +43,34 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`, adds it first and returns (normed, new_residual): the fused-kernel contract."""
         return fused_add_rmsnorm(x, residual, self.weight, self.eps, enabled=self.use_triton_kernels)
+
+
+def layer_norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+                         eps: float):
+    """torch's LayerNorm after the residual add (in the input dtype); the fused kernel's reference."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    out = F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    return out if residual is None else (out, residual)
+
+
+class LayerNorm(nn.Module):
+    """nn.LayerNorm's parameters and math, plus the fused residual add of RMSNorm's contract: with `residual`,
+    returns (normed, x + residual), one pass over the rows on CUDA."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+        self.use_triton_kernels = True
+        """Fused Triton kernel on CUDA tensors; the engine sets it from EngineConfig.kernel_backend."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if (use_triton(x, self.use_triton_kernels) and self.weight.dtype == x.dtype
+                and (residual is None or residual.dtype == x.dtype)):
+            from flashvlm.kernels.layernorm import layernorm_triton  # lazy: Triton loads on the first kernel call
+
+            return layernorm_triton(x, residual, self.weight, self.bias, self.eps)
+        return layer_norm_reference(x, residual, self.weight, self.bias, self.eps)

@@ -25,10 +25,11 @@ from flashvlm.kernels.activation import (  # noqa: E402
     silu_and_mul_reference,
     silu_and_mul_triton,
 )
+from flashvlm.kernels.layernorm import layer_norm_reference, layernorm_triton  # noqa: E402
 from flashvlm.kernels.rmsnorm import rms_norm_reference, rmsnorm_triton  # noqa: E402
 from flashvlm.kernels.rotary import rotary_qk_inplace  # noqa: E402
 from flashvlm.layers.activation import Activation, SiluAndMul, quick_gelu, silu_and_mul  # noqa: E402
-from flashvlm.layers.norm import RMSNorm, fused_add_rmsnorm  # noqa: E402
+from flashvlm.layers.norm import LayerNorm, RMSNorm, fused_add_rmsnorm  # noqa: E402
 from flashvlm.layers.rotary import (  # noqa: E402
     MRotaryEmbedding,
     RotaryEmbedding,
@@ -114,6 +115,29 @@ def test_rmsnorm_3d_input_and_weight_promotion(device):
     assert out.shape == x.shape and out.dtype == torch.float32
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     assert torch.equal(res, ref_res)
+
+
+# --- LayerNorm + residual (vision blocks) ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("hidden", [80, 1280])  # not a power of two; the Qwen2-VL ViT width
+def test_layernorm(device, dtype, hidden):
+    x = torch.randn(6, hidden, dtype=dtype, device=device) * 2 + 0.5  # a non-zero mean to subtract
+    res = torch.randn(6, hidden, dtype=dtype, device=device)
+    w = (torch.rand(hidden, device=device) + 0.5).to(dtype)
+    b = torch.randn(hidden, device=device).to(dtype)
+    assert_matches(layernorm_triton(x, None, w, b, 1e-6), layer_norm_reference(x, None, w, b, 1e-6))
+    out, new_res = layernorm_triton(x, res, w, b, 1e-6)
+    ref_out, ref_res = layer_norm_reference(x, res, w, b, 1e-6)
+    assert_matches(out, ref_out)
+    assert torch.equal(new_res, ref_res)  # the residual stream is exactly the torch sum
+    norm = LayerNorm(hidden, eps=1e-6).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+        norm.bias.copy_(b)
+    if device == "cuda":  # the layer dispatches to the kernel on CUDA tensors; CPU ones take torch's path
+        assert_matches(norm(x, res)[0], ref_out)
 
 
 # --- SiLU-and-mul ----------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from torch import nn
 
 from flashvlm.layers.activation import get_activation
 from flashvlm.layers.mlp import GatedMLP
-from flashvlm.layers.norm import RMSNorm
+from flashvlm.layers.norm import LayerNorm, RMSNorm
 from flashvlm.layers.rotary import apply_rotary_qk_, rotate_half
 from flashvlm.layers.vision_attention import varlen_attention
 
@@ -139,10 +139,14 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, num_heads)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cu_seqlens: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                cu_seqlens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous block's MLP output, not yet added to `residual` (None in the first block, where x is
+        the patch embeddings). Returns this block's MLP output and the residual stream before it; each add
+        rides in the next norm's kernel."""
+        h, residual = (self.norm1(x), x) if residual is None else self.norm1(x, residual)
+        h, residual = self.norm2(self.attn(h, cos, sin, cu_seqlens), residual)
+        return self.mlp(h), residual
 
 
 class PatchMerger(nn.Module):
@@ -156,12 +160,14 @@ class PatchMerger(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(),
                                  nn.Linear(self.hidden, out_dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.ln_q(x).view(-1, self.hidden))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`residual`: the last block's residual stream, added to x inside the norm."""
+        h = self.ln_q(x) if residual is None else self.ln_q(x, residual)[0]
+        return self.mlp(h.view(-1, self.hidden))
 
 
 def _layer_norm(dim: int) -> nn.Module:
-    return nn.LayerNorm(dim, eps=1e-6)
+    return LayerNorm(dim, eps=1e-6)
 
 
 def _rms_norm(dim: int) -> nn.Module:
@@ -218,9 +224,10 @@ class QwenVisionTower(nn.Module):
     def _run_blocks(self, x: torch.Tensor, pos: torch.Tensor,
                     cu_for_layer: Callable[[int], list[int]]) -> torch.Tensor:
         cos, sin = vision_rotary(pos, self.inv_freq)
+        residual = None
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cu_for_layer(i))
-        return self.merger(x)
+            x, residual = block(x, residual, cos, sin, cu_for_layer(i))
+        return self.merger(x, residual)
 
 
 class Qwen2VisionTower(QwenVisionTower):
