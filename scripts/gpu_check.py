@@ -136,6 +136,14 @@ def vision_timings() -> list[dict]:
     for name, fn in (("quick_gelu_torch", quick_gelu_reference), ("quick_gelu_fused", quick_gelu_triton)):
         ms = triton.testing.do_bench(lambda fn=fn: fn(x), return_mode="median")
         rows.append(dict(op=name, batch=1, seq=n, splits=0, us=ms * 1e3, floor_us=2 * x.numel() * 2 / 4.2e12 * 1e6))
+    from flashvlm.kernels.layernorm import layernorm_triton
+    from flashvlm.layers.norm import layer_norm_reference
+
+    h, r = (torch.randn(n, 1280, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w, b = torch.ones(1280, device="cuda", dtype=torch.bfloat16), torch.zeros(1280, device="cuda", dtype=torch.bfloat16)
+    for name, fn in (("add_layernorm_torch", layer_norm_reference), ("add_layernorm_fused", layernorm_triton)):
+        ms = triton.testing.do_bench(lambda fn=fn: fn(h, r, w, b, 1e-6), return_mode="median")
+        rows.append(dict(op=name, batch=1, seq=n, splits=0, us=ms * 1e3, floor_us=4 * h.numel() * 2 / 4.2e12 * 1e6))
     return rows
 
 
