@@ -136,7 +136,7 @@ def vision_timings() -> list[dict]:
     for name, fn in (("quick_gelu_torch", quick_gelu_reference), ("quick_gelu_fused", quick_gelu_triton)):
         ms = triton.testing.do_bench(lambda fn=fn: fn(x), return_mode="median")
         rows.append(dict(op=name, batch=1, seq=n, splits=0, us=ms * 1e3, floor_us=2 * x.numel() * 2 / 4.2e12 * 1e6))
-    from flashvlm.kernels.layernorm import layernorm_triton
+    from flashvlm.kernels.norm import layernorm_triton
     from flashvlm.layers.norm import layer_norm_reference
 
     h, r = (torch.randn(n, 1280, device="cuda", dtype=torch.bfloat16) for _ in range(2))

@@ -26,7 +26,7 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: to
                       enabled: bool | None = None, force: bool = False):
     """RMSNorm(x [+ residual]): returns `out`, or `(out, x + residual)` when a residual is given."""
     if use_triton(x, enabled, force) and (residual is None or residual.dtype == x.dtype):
-        from flashvlm.kernels.rmsnorm import rmsnorm_triton  # lazy: Triton loads on the first kernel call
+        from flashvlm.kernels.norm import rmsnorm_triton  # lazy: Triton loads on the first kernel call
 
         return rmsnorm_triton(x, residual, weight, eps)
     return rms_norm_reference(x, residual, weight, eps)
@@ -70,7 +70,7 @@ class LayerNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if (use_triton(x, self.use_triton_kernels) and self.weight.dtype == x.dtype
                 and (residual is None or residual.dtype == x.dtype)):
-            from flashvlm.kernels.layernorm import layernorm_triton  # lazy: Triton loads on the first kernel call
+            from flashvlm.kernels.norm import layernorm_triton  # lazy: Triton loads on the first kernel call
 
             return layernorm_triton(x, residual, self.weight, self.bias, self.eps)
         return layer_norm_reference(x, residual, self.weight, self.bias, self.eps)

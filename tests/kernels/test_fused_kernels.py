@@ -18,15 +18,19 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from flashvlm.kernels import dispatch  # noqa: E402
-from flashvlm.kernels import rmsnorm as rmsnorm_mod  # noqa: E402
+from flashvlm.kernels import norm as norm_mod  # noqa: E402
 from flashvlm.kernels.activation import (  # noqa: E402
     quick_gelu_reference,
     quick_gelu_triton,
     silu_and_mul_reference,
     silu_and_mul_triton,
 )
-from flashvlm.kernels.layernorm import layer_norm_reference, layernorm_triton  # noqa: E402
-from flashvlm.kernels.rmsnorm import rms_norm_reference, rmsnorm_triton  # noqa: E402
+from flashvlm.kernels.norm import (  # noqa: E402
+    layer_norm_reference,
+    layernorm_triton,
+    rms_norm_reference,
+    rmsnorm_triton,
+)
 from flashvlm.kernels.rotary import rotary_qk_inplace  # noqa: E402
 from flashvlm.layers.activation import Activation, SiluAndMul, quick_gelu, silu_and_mul  # noqa: E402
 from flashvlm.layers.norm import LayerNorm, RMSNorm, fused_add_rmsnorm  # noqa: E402
@@ -39,7 +43,7 @@ from flashvlm.layers.rotary import (  # noqa: E402
 
 # CPU tensors can only run the kernels if this process imported them under the interpreter; CUDA cases run
 # only compiled (the interpreter would take CUDA tensors too, but tests no codegen and truncates bf16).
-INTERPRETED = type(rmsnorm_mod._rmsnorm_kernel).__name__ == "InterpretedFunction"
+INTERPRETED = type(norm_mod._norm_kernel).__name__ == "InterpretedFunction"
 _CPU_OK = INTERPRETED and dispatch.interpreter_active()
 _CUDA_OK = torch.cuda.is_available() and not INTERPRETED
 _skip_cpu = pytest.mark.skipif(not _CPU_OK, reason="CPU kernels need TRITON_INTERPRET=1 before import")
@@ -246,7 +250,7 @@ def test_cpu_tensors_take_the_torch_path_by_default(monkeypatch):
 
     import flashvlm.kernels.activation as act_mod
 
-    monkeypatch.setattr(rmsnorm_mod, "rmsnorm_triton", boom)
+    monkeypatch.setattr(norm_mod, "rmsnorm_triton", boom)
     monkeypatch.setattr(act_mod, "silu_and_mul_triton", boom)
     monkeypatch.setattr(act_mod, "quick_gelu_triton", boom)
     Activation("quick_gelu")(torch.randn(4, 16))

@@ -126,27 +126,45 @@ def test_step_buckets() -> None:
     assert [b for b in large if b[1] > 1] == [(1024, 4), (1024, 16)]  # big mixed batches: coarse buckets
 
 
+# Decode-graph tests: a short max_model_len keeps the decode split count (and the interpreter's time) small.
+DECODE_OPTS = dict(device="cuda" if torch.cuda.is_available() else "cpu", dtype="float32", kv_cache_tokens=2048,
+                   max_num_seqs=4, attention_backend="triton", kernel_backend="torch", prefill_graph_max_tokens=0,
+                   max_model_len=64)
+
+
+def _three_prompts(seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"prompt": IMG + "One.", "images": [rng.integers(0, 256, (56, 56, 3), np.uint8)]},
+            {"prompt": "Two, text only, and longer."}, {"prompt": "Three."}]
+
+
+def _decode_graphs_on_cpu(llm: LLM, lookahead: bool) -> None:
+    """On CPU the engine builds no decode graphs (nor the lookahead on them): build what it builds on CUDA, whose
+    bodies then run eagerly on the same buffers. On CUDA the engine's own are used."""
+    from flashvlm.runner.cuda_graph import DecodeGraphs
+    from flashvlm.runner.lookahead import GreedyDecodePipeline
+
+    runner, sched = llm.engine.runner, llm.engine.config.scheduler
+    if runner.device.type != "cpu":
+        return
+    runner.graphs = DecodeGraphs(runner.model, runner.backend, runner.kv_caches, sched.max_num_seqs,
+                                 sched.max_model_len, runner.block_size, runner.device)
+    if lookahead:
+        runner.pipeline = GreedyDecodePipeline(runner.graphs, runner.block_size, sched.max_model_len)
+        sched.lookahead_slots = 1  # what the engine sets when it builds the pipeline itself
+
+
 def test_decode_graphs_staging_gives_the_eager_tokens(tmp_path) -> None:
     """Decode steps through the decode graphs' pinned staging buffers (a DecodeBatch written on the host, one
     copy per buffer, padded rows) give the eager path's tokens. On CPU the graph body runs eagerly on the same
     buffers; on CUDA the engine captures and replays the graphs."""
-    from flashvlm.runner.cuda_graph import DecodeGraphs
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     path = str(build_qwen2_vl(tmp_path / "m", seed=8))
-    rng = np.random.default_rng(6)
-    prompts = [{"prompt": IMG + "One.", "images": [rng.integers(0, 256, (56, 56, 3), np.uint8)]},
-               {"prompt": "Two, text only, and longer."}, {"prompt": "Three."}]
+    prompts = _three_prompts(6)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 3, 8)]
-    opts = dict(device=device, dtype="float32", kv_cache_tokens=2048, max_num_seqs=4, attention_backend="triton",
-                kernel_backend="torch", prefill_graph_max_tokens=0, max_model_len=64)  # few decode splits: fast
-    expected = [o.token_ids for o in LLM(path, enforce_eager=True, **opts).generate(prompts, params)]
-    llm = LLM(path, **opts)
+    expected = [o.token_ids for o in LLM(path, enforce_eager=True, **DECODE_OPTS).generate(prompts, params)]
+    llm = LLM(path, **DECODE_OPTS)
     runner = llm.engine.runner
-    if device == "cpu":
-        sched = llm.engine.config.scheduler
-        runner.graphs = DecodeGraphs(runner.model, runner.backend, runner.kv_caches, sched.max_num_seqs,
-                                     sched.max_model_len, runner.block_size, runner.device)
+    _decode_graphs_on_cpu(llm, lookahead=False)
     sizes = []
     run = runner.graphs.run
 
@@ -164,16 +182,9 @@ def test_greedy_lookahead_gives_the_eager_tokens(tmp_path) -> None:
     read, with those tokens fed on the device) gives the eager tokens: across requests of different lengths,
     block boundaries, a stop token that ends a request after its lookahead was launched (dropped), and a
     sampled request in the batch (no lookahead while it runs)."""
-    from flashvlm.runner.cuda_graph import DecodeGraphs
-    from flashvlm.runner.lookahead import GreedyDecodePipeline
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     path = str(build_qwen2_vl(tmp_path / "m", seed=9))
-    rng = np.random.default_rng(2)
-    prompts = [{"prompt": IMG + "One.", "images": [rng.integers(0, 256, (56, 56, 3), np.uint8)]},
-               {"prompt": "Two, text only, and longer."}, {"prompt": "Three."}]
-    opts = dict(device=device, dtype="float32", kv_cache_tokens=2048, max_num_seqs=4, attention_backend="triton",
-                kernel_backend="torch", prefill_graph_max_tokens=0, block_size=16, max_model_len=64)
+    prompts = _three_prompts(2)
+    opts = dict(DECODE_OPTS, block_size=16)
     eager = LLM(path, enforce_eager=True, **opts)
     free_run = eager.generate(prompts[1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     stop = free_run.token_ids[4]  # request 2 stops on it, one step after a lookahead went out for it
@@ -183,14 +194,8 @@ def test_greedy_lookahead_gives_the_eager_tokens(tmp_path) -> None:
     expected = [o.token_ids for o in eager.generate(prompts, params)]
     assert len(expected[1]) < 8  # the stop token did end it early
     llm = LLM(path, **opts)
-    runner = llm.engine.runner
-    if device == "cpu":
-        sched = llm.engine.config.scheduler
-        runner.graphs = DecodeGraphs(runner.model, runner.backend, runner.kv_caches, sched.max_num_seqs,
-                                     sched.max_model_len, runner.block_size, runner.device)
-        runner.pipeline = GreedyDecodePipeline(runner.graphs, runner.block_size, sched.max_model_len)
-        sched.lookahead_slots = 1  # what the engine sets when it builds the pipeline itself (on CUDA)
-    pipeline = runner.pipeline
+    _decode_graphs_on_cpu(llm, lookahead=True)
+    pipeline = llm.engine.runner.pipeline
     assert llm.engine.scheduler.config.lookahead_slots == 1
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert pipeline.num_lookaheads > 10 and pipeline.num_dropped >= 1
