@@ -119,17 +119,11 @@ class Batcher:
         return batch
 
     def pixel_values(self, images_u8: torch.Tensor) -> torch.Tensor:
-        """(B, H, W, C) uint8 scenes of the processor's own size -> their pixel_values, where the images are:
-        the same table lookup and patch order as QwenImageProcessor.preprocess, so the same floats bit for bit."""
-        proc = self.proc
-        p, m, t = proc.patch_size, proc.merge_size, proc.temporal_patch_size
+        """(B, H, W, C) uint8 scenes of the processor's own size -> their pixel_values, where the images are. The
+        scenes stacked into one tall image patchify, merge window by merge window, into each scene's rows in turn:
+        the processor's own compact decode gives what it gives each scene, in one call."""
         b, h, w, c = images_u8.shape
-        gh, gw = h // p, w // p
-        x = images_u8.reshape(b, gh // m, m, p, gw // m, m, p, c).permute(0, 1, 4, 2, 5, 7, 3, 6)
-        offsets = torch.arange(0, 256 * c, 256, dtype=torch.int32, device=x.device).view(c, 1, 1)
-        x = proc._table.to(x.device)[(x.to(torch.int32) + offsets).reshape(-1)].view(x.shape)
-        x = x.unsqueeze(6).expand(b, gh // m, gw // m, m, m, c, t, p, p)
-        return x.reshape(b * gh * gw, c * t * p * p)
+        return self.proc.decode_compact(images_u8.reshape(b * h, w, c))
 
 
 def answer_correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -72,11 +72,6 @@ def mrope_positions(length: int, images: list[tuple[int, int, int, int, int, str
 
 
 
-def _device_pixels(item: MMItem, device: torch.device) -> torch.Tensor:
-    """The item's model-ready pixels on `device` (a compact uint8 image crosses as it is and is finished there)."""
-    pixels = torch.as_tensor(item.pixel_values).to(device, non_blocking=True)
-    return pixels if item.pixel_decoder is None else item.pixel_decoder(pixels)
-
 class Qwen2VLForConditionalGeneration(VLModel):
     uses_mrope = True
     vision_graphable = True
@@ -111,7 +106,9 @@ class Qwen2VLForConditionalGeneration(VLModel):
             return []
         grids = [self._grid(item) for item in items]
         weight = self.visual.patch_embed.proj.weight
-        pixels = torch.cat([_device_pixels(item, weight.device) for item in items]).to(dtype=weight.dtype)
+        # The runner hands over device floats; other callers' compact images are finished here, where they are.
+        pixels = torch.cat([torch.as_tensor(item.model_pixels()) for item in items])
+        pixels = pixels.to(device=weight.device, dtype=weight.dtype, non_blocking=True)
         features = self.visual(pixels, grids)
         return list(features.split([item.num_tokens for item in items]))
 
