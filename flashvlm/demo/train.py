@@ -312,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=min(8, max(0, (os.cpu_count() or 1) - 2)),
                    help="data-loader processes drawing and preprocessing scenes (the data order does not depend on it)")
     args = p.parse_args(argv)
+    if args.steps < 1 or args.batch_size < 1 or args.lr < 0:
+        p.error("--steps and --batch-size must be >= 1 and --lr >= 0")
+    if args.schedule_steps is not None and args.schedule_steps < args.steps:
+        p.error(f"--schedule-steps ({args.schedule_steps}) must be at least --steps ({args.steps})")
+    if args.time_budget_s is not None and args.time_budget_s <= 0:
+        p.error("--time-budget-s must be positive")
     if args.time_budget_s is not None:
         args.steps = steps_for_budget(args.time_budget_s, args.batch_size, args.lr, args.seed, args.device,
                                       args.workers)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flashvlm import LLM, SamplingParams
@@ -129,3 +130,13 @@ def test_pixel_values_from_raw_scenes_equal_the_processor() -> None:
     assert raw["images_u8"].dtype == torch.uint8 and "pixel_values" not in raw
     assert torch.equal(batcher.pixel_values(raw["images_u8"]), reference["pixel_values"])
     assert torch.equal(raw["image_grid_thw"], reference["image_grid_thw"])
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--steps", "10", "--schedule-steps", "5"],
+                                  ["--time-budget-s", "-1"]])
+def test_bad_training_arguments_are_refused(tmp_path, argv, capsys) -> None:
+    from flashvlm.demo.train import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path / "x"), "--device", "cpu", *argv])
+    assert e.value.code == 2 and "error" in capsys.readouterr().err

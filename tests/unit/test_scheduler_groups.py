@@ -107,10 +107,12 @@ def test_hard_cap_holds_when_borrowing() -> None:
     assert finish_step(sched) == ["b0", "b1", "b2"]
 
 
-def test_caps_are_validated() -> None:
-    cfg = EngineConfig(model=ModelConfig(model="x"), device="cpu",
-                       scheduler=SchedulerConfig(max_running_per_group={"bronze": 0}))
-    with pytest.raises(ConfigError, match="max_running_per_group"):
+@pytest.mark.parametrize("field,value", [("max_running_per_group", {"bronze": 0}),
+                                         ("share_running_per_group", {"bronze": -1}),
+                                         ("shared_prefix_wait_tokens", -16)])
+def test_caps_are_validated(field: str, value) -> None:
+    cfg = EngineConfig(model=ModelConfig(model="x"), device="cpu", scheduler=SchedulerConfig(**{field: value}))
+    with pytest.raises(ConfigError, match=field):
         cfg.validate()
 
 
