@@ -3,7 +3,7 @@
 # seeds, with the step counts its training.json records (stage 1 ran 3531 of a 5255-step schedule, cut by a
 # safety stop; stage 2 1376 of 1814), then evaluate it next to the shipped one on the same 1,000 test
 # questions. MODE=single: one budgeted run from scratch instead (BUDGET_S seconds of training, batch 256,
-# lr 5e-4), a candidate for a simpler shipped recipe. Results: $OUT/demo.tgz, $OUT/train.log, $OUT/eval_*.json.
+# lr 5e-4), a candidate for a simpler shipped recipe. SKIP_SHIPPED=1 evaluates only the retrained model. Results: $OUT/demo.tgz, $OUT/train.log, $OUT/eval_*.json.
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -22,7 +22,9 @@ else
     --lr 2e-4 --seed 1 $common 2>&1 | tee -a "$OUT/train.log"
 fi
 echo "training: $(( $(date +%s) - t0 )) s wall-clock, model building and probes included" | tee -a "$OUT/train.log"
-for m in retrained:"$OUT/demo" shipped:flashvlm/demo/checkpoint; do
+models=retrained:$OUT/demo
+[ -n "${SKIP_SHIPPED:-}" ] || models="$models shipped:flashvlm/demo/checkpoint"
+for m in $models; do
   python3 -m flashvlm.cli eval --model "${m#*:}" --split test --num-examples 1000 --batch-size 250 \
     --json "$OUT/eval_${m%%:*}.json" 2>&1 | tail -6
 done

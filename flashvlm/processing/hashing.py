@@ -14,7 +14,7 @@ from typing import Any
 import xxhash
 from PIL import Image
 
-__all__ = ["hash_image"]
+__all__ = ["hash_image", "hash_pixels"]
 
 # Bump when the hashed layout changes so stale persisted keys can never collide with new ones.
 _HASH_VERSION = b"flashvlm-image-v2"
@@ -38,12 +38,19 @@ def hash_image(img: Image.Image, processor_params: Mapping[str, Any], pixels: by
     for blake2b), and it sits on the time to first token of every request with an image. Its 128 bits make an
     accidental collision between two pictures negligible; the key is not a defence against crafted inputs.
     `pixels`: img.tobytes() if the caller has it already (the copy costs about as much as the hash)."""
+    return hash_pixels(img.mode, img.width, img.height, processor_params,
+                       img.tobytes() if pixels is None else pixels)
+
+
+def hash_pixels(mode: str, width: int, height: int, processor_params: Mapping[str, Any], pixels: Any) -> str:
+    """`hash_image` of a picture given as its raw bytes in PIL's layout for `mode` (for RGB: a C-contiguous
+    uint8 (H, W, 3) array or its bytes): the same digest as the PIL image of the same pixels."""
     h = xxhash.xxh3_128()
     h.update(_HASH_VERSION)
     params = json.dumps(_canonical(processor_params), sort_keys=True, separators=(",", ":"))
     # Length-prefix each variable-size field so no two different inputs concatenate to the same bytes.
-    for part in (img.mode.encode(), f"{img.width}x{img.height}".encode(), params.encode()):
+    for part in (mode.encode(), f"{width}x{height}".encode(), params.encode()):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
-    h.update(img.tobytes() if pixels is None else pixels)
+    h.update(pixels)
     return h.hexdigest()

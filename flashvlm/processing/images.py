@@ -33,7 +33,7 @@ _CONVERTIBLE_MODES = frozenset(
 )
 _EXIF_ORIENTATION = 0x0112
 
-__all__ = ["DEFAULT_MAX_IMAGE_PIXELS", "ImageSource", "load_image"]
+__all__ = ["DEFAULT_MAX_IMAGE_PIXELS", "ImageSource", "load_image", "rgb_array"]
 
 ImageSource = Image.Image | np.ndarray | str | os.PathLike | bytes | bytearray | memoryview
 
@@ -61,6 +61,15 @@ def load_image(src: Any, max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
             "file path, bytes or a data:image/...;base64 URI"
         )
     return _finalize(img, max_image_pixels)
+
+
+def rgb_array(src: Any, max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS) -> np.ndarray | None:
+    """`src` as a validated C-contiguous uint8 (H, W, 3) array if it is a numpy array of three channels (the
+    pixels load_image would give), else None. Lets a caller skip PIL's RGB -> RGBX -> RGB round trip (about
+    3 ms for a 1008x756 picture) when it needs no resize. May return `src` itself: copy before keeping it."""
+    if not isinstance(src, np.ndarray) or src.ndim != 3 or src.shape[2] != 3:
+        return None
+    return np.ascontiguousarray(_uint8_array(src, max_image_pixels))
 
 
 def _check_size(width: int, height: int, max_image_pixels: int | None, what: str = "image") -> None:
@@ -158,6 +167,12 @@ def _decode(data: bytes, what: str, max_image_pixels: int | None) -> Image.Image
 
 
 def _from_array(arr: np.ndarray, max_image_pixels: int | None) -> Image.Image:
+    # Pillow infers L / RGB / RGBA from a uint8 HxW / HxWx3 / HxWx4 array.
+    return Image.fromarray(np.ascontiguousarray(_uint8_array(arr, max_image_pixels)))
+
+
+def _uint8_array(arr: np.ndarray, max_image_pixels: int | None) -> np.ndarray:
+    """A validated uint8 HxW, HxWx3 or HxWx4 array (floats in [0, 1] and integers in [0, 255] converted)."""
     if arr.ndim == 3 and arr.shape[2] == 1:
         arr = arr[:, :, 0]
     if arr.ndim not in (2, 3) or (arr.ndim == 3 and arr.shape[2] not in (3, 4)):
@@ -184,8 +199,7 @@ def _from_array(arr: np.ndarray, max_image_pixels: int | None) -> Image.Image:
         arr = arr.astype(np.uint8)
     else:
         raise InvalidRequestError(f"unsupported image array dtype {arr.dtype}: expected uint8 or float")
-    # Pillow infers L / RGB / RGBA from a uint8 HxW / HxWx3 / HxWx4 array.
-    return Image.fromarray(np.ascontiguousarray(arr))
+    return arr
 
 
 def _finalize(img: Image.Image, max_image_pixels: int | None) -> Image.Image:

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from PIL import Image
 
 from flashvlm.models.loader import Checkpoint
-from flashvlm.processing.hashing import hash_image
-from flashvlm.processing.images import load_image
+from flashvlm.processing.hashing import hash_image, hash_pixels
+from flashvlm.processing.images import load_image, rgb_array
 from flashvlm.processing.preprocess import ClipImageProcessor, QwenImageProcessor, get_image_processor
 from flashvlm.request import InvalidRequestError, MMItem
 
@@ -201,7 +202,8 @@ class InputProcessor:
 
     def _preprocess(self, src: Any, kwargs: dict, index: int) -> MMItem:
         try:
-            img = load_image(src)
+            array = rgb_array(src)  # an RGB numpy array stays one while it needs no resize: no PIL round trip
+            img = load_image(src) if array is None else None
         except InvalidRequestError as e:
             raise InvalidRequestError(f"image {index}: {e}") from None
         proc = self.image_processor
@@ -211,11 +213,21 @@ class InputProcessor:
                 raise InvalidRequestError(f"unknown mm_processor_kwargs {sorted(unknown)} (min_pixels, max_pixels)")
             lo, hi = kwargs.get("min_pixels"), kwargs.get("max_pixels")
             params = proc.processor_params(lo, hi)  # validates the overrides
-            raw = img.tobytes()  # once, for the hash and (without a resize) the compact pixels
-            mm_hash = hash_image(img, params, raw)
+            if array is not None and (self.preprocess_device is not None
+                                      or proc.target_size(*array.shape[:2], lo, hi) != array.shape[:2]):
+                img, array = Image.fromarray(array), None  # resized like any other picture
+            if array is not None:
+                height, width = array.shape[:2]
+                mm_hash = hash_pixels("RGB", width, height, params, array)
+            else:
+                raw = img.tobytes()  # once, for the hash and (without a resize) the compact pixels
+                mm_hash = hash_image(img, params, raw)
             cached = self.pixel_cache.get(mm_hash)
             if cached is not None:
                 pixels, grid = cached
+            elif array is not None:  # already the compact image: the runner finishes it on its device
+                pixels = torch.from_numpy(array.copy())  # the caller may reuse its array; the cache keeps ours
+                grid = (1, height // proc.patch_size, width // proc.patch_size)
             elif self.preprocess_device is None:  # the compact uint8 image; the runner finishes it on its device
                 pixels, grid = proc.preprocess_compact(img, min_pixels=lo, max_pixels=hi, pixels=raw)
             else:
@@ -223,6 +235,8 @@ class InputProcessor:
             decoder = proc.decode_compact if pixels.dtype == torch.uint8 else None
             num_tokens = proc.num_image_tokens(grid)
         elif isinstance(proc, ClipImageProcessor):
+            if array is not None:
+                img = Image.fromarray(array)
             if kwargs:
                 raise InvalidRequestError(f"this model takes no mm_processor_kwargs, got {sorted(kwargs)}")
             mm_hash = hash_image(img, proc.processor_params())
@@ -235,8 +249,9 @@ class InputProcessor:
             raise TypeError(type(proc))
         if cached is None:
             self.pixel_cache.put(mm_hash, pixels, grid)
+        size = (img.width, img.height) if img is not None else (array.shape[1], array.shape[0])
         return MMItem(mm_hash=mm_hash, pixel_values=pixels, num_tokens=num_tokens,
-                      grid_thw=grid, image_size=(img.width, img.height), pixel_decoder=decoder)
+                      grid_thw=grid, image_size=size, pixel_decoder=decoder)
 
     def _expand_placeholders(self, token_ids: list[int], items: list[MMItem]) -> list[int]:
         """One placeholder token per image is expanded; prompts already expanded are accepted as they are."""

@@ -71,6 +71,12 @@ class _Timer:
             return self.start_event.elapsed_time(self.end_event) / 1e3
         return self.t1 - self.t0
 
+    def finished(self) -> bool:
+        """Whether both readings exist and the device has passed them (always true on CPU once stopped)."""
+        if self.cuda:
+            return self.end_event.query() and self.start_event.query()
+        return hasattr(self, "t1")
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: VLModel, dtype: torch.dtype) -> None:
@@ -105,7 +111,10 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator | None] = {}
         self.last_timings = StepTimings()
         self._vision_timer = _Timer(self.device)
-        self._forward_timer = _Timer(self.device)
+        # Two forward timers, alternating by step: a lookahead step stops its timer while the step it launched
+        # is still running, so it reports the previous step's time, read from the other timer.
+        self._forward_timers = (_Timer(self.device), _Timer(self.device))
+        self._step_parity = 0
         self.record_logits = False
         """Test hook: keep the logits of every sampled row in `recorded_logits`, by request id."""
         self.recorded_logits: dict[str, list[torch.Tensor]] = {}
@@ -230,13 +239,16 @@ class ModelRunner:
             num_images = self._encode_images(out)
             self._vision_timer.stop()
 
-        self._forward_timer.start()
+        timer, previous_timer = self._forward_timers[self._step_parity], self._forward_timers[1 - self._step_parity]
+        self._step_parity ^= 1
+        timer.start()
         batch = decode_batch(out, self.positions, self.block_size)
         if (self.pipeline is not None and batch is not None and not self.record_logits
                 and self._decode_graph_fits(out, batch) and pipeline_eligible(out, batch)):
             tokens = self.pipeline.step(out, batch, waiting=out.may_admit)
-            self._forward_timer.stop()  # brackets the lookahead launched here: on average one step's time
-            self.last_timings = StepTimings(forward_s=self._forward_timer.seconds(), num_images=num_images)
+            timer.stop()  # brackets the lookahead launched here: on average one step's time
+            forward_s = previous_timer.seconds() if previous_timer.finished() else self.last_timings.forward_s
+            self.last_timings = StepTimings(forward_s=forward_s, num_images=num_images)
             return dict(zip(batch.sample_request_ids, tokens))
         if self.pipeline is not None:
             self.pipeline.drop()
@@ -253,14 +265,14 @@ class ModelRunner:
                 [r.all_token_ids if r.sampling_params.repetition_penalty != 1.0 else () for r in reqs],
                 [len(r.output_token_ids) for r in reqs], [r.eos_token_ids for r in reqs],
                 [self.generators.get(r.request_id) for r in reqs])
-            self._forward_timer.stop()
+            timer.stop()
             sampled = dict(zip(sample_ids, tokens.tolist()))  # the step's one host sync
         else:
-            self._forward_timer.stop()
+            timer.stop()
             if self.device.type == "cuda":
-                self._forward_timer.end_event.synchronize()
+                timer.end_event.synchronize()
         self.last_timings = StepTimings(vision_s=self._vision_timer.seconds() if num_images else 0.0,
-                                        forward_s=self._forward_timer.seconds(), num_images=num_images)
+                                        forward_s=timer.seconds(), num_images=num_images)
         return sampled
 
     def _forward_logits(self, out: SchedulerOutput, batch: DecodeBatch | None) -> tuple[torch.Tensor, list[str]]:

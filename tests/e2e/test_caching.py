@@ -184,3 +184,29 @@ def test_pixel_cache_lru_bounded_in_bytes() -> None:
     assert cache.get("h2") is None and cache.get("h1") is not None
     cache.put("big", torch.zeros(1000), None)  # larger than the whole budget: not kept
     assert cache.get("big") is None and cache.num_bytes == 1200
+
+
+@pytest.mark.parametrize("size", [(112, 140), (101, 131)], ids=["no-resize", "resized"])
+def test_an_array_is_the_same_picture_as_its_pil_image_and_png(family, size: tuple[int, int]) -> None:
+    """An RGB array skips PIL when it needs no resize (Qwen): it must hash, preprocess and count exactly like the
+    same pixels given as a PIL image or PNG bytes, so the caches are shared across input forms; and the engine
+    keeps its own copy, since the caller may reuse its array."""
+    import io
+
+    import torch
+    from PIL import Image
+
+    on, _ = _pair(family, enable_prefix_caching=False, encoder_cache_tokens=0)
+    on.engine.input_processor.pixel_cache.max_bytes = 0  # every prompt preprocesses afresh
+    arr = _image(40, *size)
+    png = io.BytesIO()
+    Image.fromarray(arr).save(png, format="PNG")
+    items = [on.engine.process_prompt(_prompt(family, "", src, "Hi.")).mm_items[0]
+             for src in (arr, Image.fromarray(arr), png.getvalue())]
+    for other in items[1:]:
+        assert other.mm_hash == items[0].mm_hash and other.num_tokens == items[0].num_tokens
+        assert other.grid_thw == items[0].grid_thw and other.image_size == items[0].image_size == size
+        assert torch.equal(torch.as_tensor(other.pixel_values), torch.as_tensor(items[0].pixel_values))
+    before = torch.as_tensor(items[0].pixel_values).clone()
+    arr[:] = 0
+    assert torch.equal(torch.as_tensor(items[0].pixel_values), before)
