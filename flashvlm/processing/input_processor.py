@@ -1,9 +1,10 @@
 """From a user prompt (text or token ids, plus images) to a `Request`: decode and preprocess images,
 hash them, tokenize, and expand each image placeholder to as many tokens as the image yields.
 
-Preprocessed pixels are kept in a small LRU keyed by the content hash (which is computed before the
-resize, from the decoded image and the processor parameters), so a picture sent again (a follow-up
-turn, a retry) costs a decode and a hash, not another resize + normalize + patchify.
+Preprocessed pixels that took work (a resize, GPU preprocessing, CLIP's crop) are kept in a small LRU keyed by
+the content hash (which is computed before the resize, from the decoded image and the processor parameters), so
+a picture sent again (a follow-up turn, a retry) costs a decode and a hash, not another resize. Pixels that are
+one copy of the decoded image are not kept: the copy is cheaper than holding fresh memory.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -208,30 +210,7 @@ class InputProcessor:
             raise InvalidRequestError(f"image {index}: {e}") from None
         proc = self.image_processor
         if isinstance(proc, QwenImageProcessor):
-            unknown = set(kwargs) - {"min_pixels", "max_pixels"}
-            if unknown:
-                raise InvalidRequestError(f"unknown mm_processor_kwargs {sorted(unknown)} (min_pixels, max_pixels)")
-            lo, hi = kwargs.get("min_pixels"), kwargs.get("max_pixels")
-            params = proc.processor_params(lo, hi)  # validates the overrides
-            if array is not None and (self.preprocess_device is not None
-                                      or proc.target_size(*array.shape[:2], lo, hi) != array.shape[:2]):
-                img, array = Image.fromarray(array), None  # resized like any other picture
-            if array is not None:
-                height, width = array.shape[:2]
-                mm_hash = hash_pixels("RGB", width, height, params, array)
-            else:
-                raw = img.tobytes()  # once, for the hash and (without a resize) the compact pixels
-                mm_hash = hash_image(img, params, raw)
-            cached = self.pixel_cache.get(mm_hash)
-            if cached is not None:
-                pixels, grid = cached
-            elif array is not None:  # already the compact image: the runner finishes it on its device
-                pixels = torch.from_numpy(array.copy())  # the caller may reuse its array; the cache keeps ours
-                grid = (1, height // proc.patch_size, width // proc.patch_size)
-            elif self.preprocess_device is None:  # the compact uint8 image; the runner finishes it on its device
-                pixels, grid = proc.preprocess_compact(img, min_pixels=lo, max_pixels=hi, pixels=raw)
-            else:
-                pixels, grid = proc.preprocess(img, min_pixels=lo, max_pixels=hi, device=self.preprocess_device)
+            mm_hash, pixels, grid, worth_keeping = self._qwen_pixels(proc, img, array, kwargs)
             decoder = proc.decode_compact if pixels.dtype == torch.uint8 else None
             num_tokens = proc.num_image_tokens(grid)
         elif isinstance(proc, ClipImageProcessor):
@@ -242,16 +221,47 @@ class InputProcessor:
             mm_hash = hash_image(img, proc.processor_params())
             cached = self.pixel_cache.get(mm_hash)
             pixels, grid = cached if cached is not None else (proc.preprocess(img, device=self.preprocess_device), None)
+            worth_keeping = cached is None
             decoder = None
             cfg = self.checkpoint.hf_config
             num_tokens = proc.num_image_tokens(cfg.vision_config.patch_size, cfg.vision_feature_select_strategy)
         else:  # pragma: no cover - get_image_processor only returns the two above
             raise TypeError(type(proc))
-        if cached is None:
+        if worth_keeping:
             self.pixel_cache.put(mm_hash, pixels, grid)
-        size = (img.width, img.height) if img is not None else (array.shape[1], array.shape[0])
+        size = (img.width, img.height) if array is None else (array.shape[1], array.shape[0])
         return MMItem(mm_hash=mm_hash, pixel_values=pixels, num_tokens=num_tokens,
                       grid_thw=grid, image_size=size, pixel_decoder=decoder)
+
+    def _qwen_pixels(self, proc: QwenImageProcessor, img: Image.Image | None, array: np.ndarray | None,
+                     kwargs: dict) -> tuple[str, torch.Tensor, tuple[int, int, int], bool]:
+        """(hash, pixels, grid, worth keeping in the pixel cache) of a picture given as a PIL image or as an RGB
+        array. Only pixels that took work (a resize, GPU preprocessing) are kept: without a resize the compact
+        pixels are one copy of the decoded ones, cheaper than holding fresh memory whose first touch costs more
+        than the copy (2.4 against 0.4 ms a 1008x756 prompt, measured on the host)."""
+        unknown = set(kwargs) - {"min_pixels", "max_pixels"}
+        if unknown:
+            raise InvalidRequestError(f"unknown mm_processor_kwargs {sorted(unknown)} (min_pixels, max_pixels)")
+        lo, hi = kwargs.get("min_pixels"), kwargs.get("max_pixels")
+        params = proc.processor_params(lo, hi)  # validates the overrides
+        height, width = array.shape[:2] if array is not None else (img.height, img.width)
+        worth_keeping = self.preprocess_device is not None or proc.target_size(height, width, lo, hi) != (height, width)
+        if array is not None and worth_keeping:
+            img, array = Image.fromarray(array), None  # resized like any other picture
+        if array is not None:
+            mm_hash = hash_pixels("RGB", width, height, params, array)
+        else:
+            raw = img.tobytes()  # once, for the hash and (without a resize) the compact pixels
+            mm_hash = hash_image(img, params, raw)
+        cached = self.pixel_cache.get(mm_hash)
+        if cached is not None:
+            return mm_hash, *cached, False
+        if array is not None:  # already the compact image: the runner finishes it on its device
+            pixels = torch.from_numpy(array.copy())  # the caller may reuse its array
+            return mm_hash, pixels, (1, height // proc.patch_size, width // proc.patch_size), False
+        if self.preprocess_device is None:  # the compact uint8 image; the runner finishes it on its device
+            return mm_hash, *proc.preprocess_compact(img, min_pixels=lo, max_pixels=hi, pixels=raw), worth_keeping
+        return mm_hash, *proc.preprocess(img, min_pixels=lo, max_pixels=hi, device=self.preprocess_device), True
 
     def _expand_placeholders(self, token_ids: list[int], items: list[MMItem]) -> list[int]:
         """One placeholder token per image is expanded; prompts already expanded are accepted as they are."""

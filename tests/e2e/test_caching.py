@@ -161,7 +161,7 @@ def test_preemption_of_requests_holding_shared_blocks(family) -> None:
 
 def test_repeated_image_skips_preprocessing(family) -> None:
     on, off = _pair(family)
-    prompt = _prompt(family, "", _image(30), "Describe.")
+    prompt = _prompt(family, "", _image(30, 101, 131), "Describe.")  # a size both processors resize
     a, b = on.engine.process_prompt(prompt), on.engine.process_prompt(prompt)
     assert b.mm_items[0].pixel_values is a.mm_items[0].pixel_values and b.mm_items[0].mm_hash == a.mm_items[0].mm_hash
     assert on.engine.stats()["pixel_cache_hits"] == 1
@@ -210,3 +210,17 @@ def test_an_array_is_the_same_picture_as_its_pil_image_and_png(family, size: tup
     before = torch.as_tensor(items[0].pixel_values).clone()
     arr[:] = 0
     assert torch.equal(torch.as_tensor(items[0].pixel_values), before)
+
+
+def test_pixels_that_took_no_work_are_not_kept(tmp_path) -> None:
+    """A Qwen picture that needs no resize is one copy away from its compact pixels: the pixel cache does not hold
+    it (holding fresh memory costs more than the copy), while a resized one is kept."""
+    path = str(tmp_path)
+    build_qwen2_vl(path, seed=5)
+    llm = LLM(path, device="cpu", dtype="float32", kv_cache_tokens=2048, block_size=BS)
+    family = ("qwen2_vl", path)
+    cache = llm.engine.input_processor.pixel_cache
+    llm.engine.process_prompt(_prompt(family, "", _image(31, 112, 140), "Hi."))
+    assert len(cache) == 0
+    llm.engine.process_prompt(_prompt(family, "", _image(31, 101, 131), "Hi."))
+    assert len(cache) == 1
