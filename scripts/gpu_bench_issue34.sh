@@ -4,8 +4,8 @@
 # requests offline, and the bf16 parity/kernel check. Results: $OUT/bench_out.tgz, $OUT/*.json, $OUT/run.log.
 # Run it on an otherwise idle host: host-bound numbers (TPOT, preprocessing) move with CPU load.
 # Env: TPUT_SIZES (throughput sizes; empty skips), LAT_CONFIGS (the 1008x756 sweep's configs), CUDA_TESTS=1 (first run
-# the test suite's CUDA cases, a smoke check of GPU-only paths), SKIP_CHECK=1 (no gpu_check.py),
-# LAT_ONLY=1 (stop after the 1008x756 latency sweep), LAT1344_CONFIGS, SKIP_PROFILE=1.
+# the kernel, graph and sampler tests on the GPU), SKIP_CHECK=1 (no gpu_check.py),
+# LAT_ONLY=1 (stop after the 1008x756 latency sweep), LAT_REQUESTS (its request count, 5), LAT1344_CONFIGS, SKIP_PROFILE=1.
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -32,7 +32,7 @@ for size in ${TPUT_SIZES-448x448 1344x1344}; do
     --max-num-batched-tokens 4096 --gpu-memory-utilization 0.5 --baseline transformers
 done
 [ -z "${TPUT_ONLY:-}" ] || exit 0
-bench lat_1008x756 sweep --sweep-scenario latency --image-size 1008x756 --num-requests 5 --warmup 2 --max-num-seqs 16 \
+bench lat_1008x756 sweep --sweep-scenario latency --image-size 1008x756 --num-requests "${LAT_REQUESTS:-5}" --warmup 2 --max-num-seqs 16 \
   --max-num-batched-tokens 4096 --gpu-memory-utilization 0.5 --baseline transformers \
   --configs "$LAT_CONFIGS"
 [ -z "${LAT_ONLY:-}" ] || exit 0
