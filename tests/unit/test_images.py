@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from flashvlm.processing.hashing import hash_image
-from flashvlm.processing.images import load_image
+from flashvlm.processing.hashing import hash_image, hash_pixels
+from flashvlm.processing.images import load_image, rgb_array
 from flashvlm.request import InvalidRequestError
 
 PARAMS = {"family": "qwen2_vl", "min_pixels": 3136, "max_pixels": 200_704}
@@ -176,6 +177,29 @@ def test_bad_arrays() -> None:
     expect_error(np.full((4, 4, 3), np.nan, dtype=np.float32), "finite")
     expect_error(np.full((4, 4, 3), 300, dtype=np.int32), "[0, 255]")
     expect_error(np.zeros((4, 4, 3), dtype=bool), "dtype")
+
+
+def test_rgb_array_fast_path_validates_and_hashes_like_load_image(rgb: Image.Image) -> None:
+    """rgb_array (the input processor's path for a three-channel array) refuses what load_image refuses, gives the
+    pixels load_image gives, and hashes them as the PIL image does; other inputs are not its business (None)."""
+    for bad, words in ((np.full((4, 4, 3), 1.5, dtype=np.float32), "[0, 1]"),
+                       (np.full((4, 4, 3), np.nan, dtype=np.float32), "finite"),
+                       (np.full((4, 4, 3), 300, dtype=np.int32), "[0, 255]"),
+                       (np.zeros((4, 4, 3), dtype=bool), "dtype"), (np.zeros((0, 4, 3), dtype=np.uint8), "zero-size")):
+        with pytest.raises(InvalidRequestError, match=re.escape(words)):
+            rgb_array(bad)
+    with pytest.raises(InvalidRequestError, match="too large"):
+        rgb_array(np.zeros((120, 100, 3), dtype=np.uint8), max_image_pixels=10_000)
+    for other in (rgb, np.zeros((4, 4), dtype=np.uint8), np.zeros((4, 4, 4), dtype=np.uint8), b"png"):
+        assert rgb_array(other) is None
+    source = np.asarray(rgb)[::-1]  # a non-contiguous view
+    arr = rgb_array(source)
+    assert arr.flags.c_contiguous and arr.dtype == np.uint8
+    img = load_image(source)
+    assert np.array_equal(arr, np.asarray(img))
+    assert hash_pixels("RGB", img.width, img.height, PARAMS, arr) == hash_image(img, PARAMS)
+    floats = rgb_array(np.asarray(rgb) / 255.0)  # floats in [0, 1] round back to the same bytes
+    assert np.array_equal(floats, np.asarray(rgb))
 
 
 def test_too_many_pixels(tmp_path: Path) -> None:
