@@ -173,7 +173,7 @@ class Scheduler:
         self._schedule_running(step, deferred)
         # After a preemption the cache is full: admitting new work would only thrash.
         if not step.preempted:
-            self._schedule_waiting(step)
+            self._schedule_waiting(step, may_wait=not deferred)
         for req in deferred:  # lower-priority prefill chunks take what admission left
             if step.budget <= 0:
                 break
@@ -241,18 +241,21 @@ class Scheduler:
         step.budget -= num_new
         return True
 
-    def _schedule_waiting(self, step: _StepState) -> None:
+    def _schedule_waiting(self, step: _StepState, may_wait: bool) -> None:
         """Admit waiting requests in priority order. A group at its share (`share_running_per_group`) is passed
         over in a first pass, so the slot goes to requests behind it, and admitted in a second pass if slots and
         budget are left: shares are work-conserving. A borrowed slot is taken back (its request preempted) when
         a better-priority request of a group within its share finds the batch full. Hard caps
-        (`max_running_per_group`) are never exceeded."""
-        for r in self._running:
-            step.running_in[r.group] = step.running_in.get(r.group, 0) + 1
-        if self._admit(step, borrow=False) and self.config.share_running_per_group:
-            self._admit(step, borrow=True)
+        (`max_running_per_group`) are never exceeded. `may_wait`: whether a request may wait for shared blocks in
+        flight; not while a prefilling request is deferred for a better waiting one, which may be the very
+        request computing those blocks (the waiter would wait on work it holds back)."""
+        if self.config.max_running_per_group or self.config.share_running_per_group:
+            for r in self._running:
+                step.running_in[r.group] = step.running_in.get(r.group, 0) + 1
+        if self._admit(step, borrow=False, may_wait=may_wait) and self.config.share_running_per_group:
+            self._admit(step, borrow=True, may_wait=may_wait)
 
-    def _admit(self, step: _StepState, borrow: bool) -> bool:
+    def _admit(self, step: _StepState, borrow: bool, may_wait: bool) -> bool:
         """One admission pass; False if it stopped at a request that cannot start (so nothing behind it may)."""
         bm = self.block_manager
         running_in = step.running_in
@@ -270,14 +273,15 @@ class Scheduler:
             if (req.group in hard and n >= hard[req.group]) or (over_share and not borrow):
                 i += 1  # its group is full; that must not hold back other groups behind it
                 continue
+            # Waiting requests (new or preempted) hold no blocks and have num_computed_tokens == 0.
+            prefix = bm.find_cached_prefix(req)
+            if may_wait and self._waits_for_in_flight(req, len(prefix)):
+                i += 1  # its shared blocks are being computed: cached hits in a step or two
+                continue
+            # After the wait check, so a borrowed slot is never taken back for a request that then waits.
             if len(self._running) >= self.config.max_num_seqs and (
                     over_share or not self._reclaim_slot(req, step)):
                 return False
-            # Waiting requests (new or preempted) hold no blocks and have num_computed_tokens == 0.
-            prefix = bm.find_cached_prefix(req)
-            if self._waits_for_in_flight(req, len(prefix)):
-                i += 1  # its shared blocks are being computed: cached hits in a step or two
-                continue
             num_hit = len(prefix) * bm.block_size
             num_new = min(req.num_tokens - num_hit, step.budget)
             target = num_hit + num_new

@@ -297,3 +297,21 @@ def test_long_random_workload_with_caching_returns_every_reference(wait: int) ->
     assert enc.num_referenced == 0 and runner.embeddings == enc.held_hashes()
     assert bm.prefix_stats.hit_rate > 0.2 and bm.num_evicted_blocks > 0 and sched.num_preemptions_total > 0
     assert enc.num_hits > 0 and enc.num_evictions > 0 and sched.num_images_skipped > 0
+
+
+def test_a_better_twin_does_not_wait_on_a_prefill_it_defers() -> None:
+    """A waiting request better than a running prefill defers that prefill's next chunk; it must not also wait for
+    the blocks that prefill is computing (steady traffic in between could then hold both back for ever): it is
+    admitted at once, on the blocks already cached."""
+    sched, runner = caching_sched(shared_prefix_wait_tokens=8, budget=8)
+    prompt = list(range(1, 41))
+    owner = Request("owner", list(prompt), SamplingParams(max_tokens=3), priority=2)
+    sched.add_request(owner)
+    step(sched, runner)  # the owner's first chunk: 8 of its 40 tokens
+    better = Request("better", prompt[:36] + [90, 91], SamplingParams(max_tokens=3), priority=0, arrival_time=1.0)
+    sched.add_request(better)
+    out, _ = step(sched, runner)
+    assert ids(out) == ["better"] and out.scheduled[0].start == 8  # on the owner's 2 cached blocks
+    drive(sched, runner)
+    assert better.output_token_ids == expected_output(better.prompt_token_ids, 3, [])
+    assert owner.output_token_ids == expected_output(owner.prompt_token_ids, 3, [])

@@ -139,3 +139,25 @@ def test_waiting_higher_priority_is_served_before_a_running_lower_priority_prefi
     sched.update(second, {"gold": 7})
     third = sched.schedule()  # nothing waits: bronze's chunk and gold's decode token, in priority order
     assert [(s.request.request_id, s.num_new_tokens) for s in third.scheduled] == [("gold", 1), ("bronze", 7)]
+
+
+def test_a_borrowed_slot_is_not_taken_back_for_a_request_that_then_waits() -> None:
+    """A better request that will wait for shared blocks in flight leaves the borrowed slot alone: preempting its
+    holder would buy nothing this step."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=24, share_running_per_group={"bronze": 1},
+                                      shared_prefix_wait_tokens=8),
+                      BlockManager(256, 4, enable_prefix_caching=True), EncoderCacheManager(0))
+    for i, prompt in enumerate(([1, 2, 3, 4, 5], [1, 2, 3, 9, 5])):
+        sched.add_request(Request(f"b{i}", prompt, SamplingParams(max_tokens=50), priority=2, arrival_time=i,
+                                  group="bronze"))
+    finish_step(sched)  # b1 borrows a slot past bronze's share of 1
+    shared = list(range(100, 164))
+    sched.add_request(Request("g0", shared, SamplingParams(max_tokens=50), priority=0, arrival_time=3, group="gold"))
+    finish_step(sched)  # g0 takes the free slot and starts its 64-token prompt
+    g1 = Request("g1", shared + [7], SamplingParams(max_tokens=5), priority=0, arrival_time=4, group="gold")
+    sched.add_request(g1)
+    assert "g1" not in finish_step(sched)  # it waits for g0's blocks...
+    assert sched.num_preemptions_total == 0  # ...so b1 keeps its slot for now
+    while sched.has_unfinished():
+        finish_step(sched)
+    assert len(g1.output_token_ids) == 5 and g1.num_cached_tokens > 0
