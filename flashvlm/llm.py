@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from flashvlm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from flashvlm.engine.engine import Engine
+from flashvlm.processing.feeder import OrderedFeeder
 from flashvlm.processing.input_processor import ProcessedPrompt
 from flashvlm.request import InvalidRequestError, RequestOutput, SamplingParams
-
-PREPROCESS_THREADS = 4
-"""Threads preprocessing a batch of prompts while the engine runs (image decode and resize release the GIL)."""
 
 
 class LLM:
@@ -101,30 +98,17 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
             p.validate()
-        pool = ThreadPoolExecutor(max_workers=min(PREPROCESS_THREADS, n)) if n > 1 else None
-        futures = [pool.submit(job) for job in jobs] if pool is not None else None
-        ids: list[str] = []
-        wait_for_all = priority is not None
+        ids: dict[str, None] = {}  # ours, in prompt order (a dict: order and O(1) membership)
 
-        def add_ready(block: bool) -> None:
-            """Add, in order, every prompt whose preprocessing is done (waiting for the next one if `block`)."""
-            while len(ids) < n:
-                k = len(ids)
-                if futures is not None and not (block or wait_for_all or futures[k].done()):
-                    return
-                processed = futures[k].result() if futures is not None else jobs[k]()
-                block = False
-                req = self.engine.add_processed(processed, params[k], priority=priority[k] if priority else 0)
-                ids.append(req.request_id)
+        def add(k: int, result: Callable[[], ProcessedPrompt]) -> None:
+            req = self.engine.add_processed(result(), params[k], priority=priority[k] if priority else 0)
+            ids[req.request_id] = None
 
-        try:
-            return self._drain(n, ids, add_ready, use_tqdm)
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+        with OrderedFeeder(jobs, add, all_at_once=priority is not None) as feeder:
+            return self._drain(feeder, ids, use_tqdm)
 
-    def _drain(self, n: int, ids: list[str], add_ready: Callable[[bool], None],
-               use_tqdm: bool) -> list[RequestOutput]:
+    def _drain(self, feeder: OrderedFeeder, ids: dict[str, None], use_tqdm: bool) -> list[RequestOutput]:
+        n = len(feeder.jobs)
         finals: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -133,7 +117,7 @@ class LLM:
             bar = tqdm(total=n, desc="generating", unit="req")
         try:
             while len(finals) < n:
-                add_ready(not self.engine.has_unfinished_requests())
+                feeder.feed(block=not self.engine.has_unfinished_requests())
                 for out in self.engine.step():
                     if out.finished and out.request_id in ids and out.request_id not in finals:
                         finals[out.request_id] = out

@@ -6,16 +6,18 @@ engine itself reports stage times (CUDA events for device work) and per-step rec
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
 from flashvlm.bench.records import BenchRequest, RequestRecord, ScenarioResult
-from flashvlm.llm import LLM, PREPROCESS_THREADS
+from flashvlm.llm import LLM
+from flashvlm.processing.feeder import OrderedFeeder
+from flashvlm.processing.input_processor import ProcessedPrompt
 from flashvlm.request import RequestOutput, SamplingParams
 
 ProgressFn = Callable[[int], None]
@@ -62,12 +64,12 @@ class _Tracker:
 
 
 def _submit(llm: LLM, tracker: _Tracker, req: BenchRequest, start: float | None = None,
-            processed: Future | None = None) -> str | None:
+            processed: Callable[[], ProcessedPrompt] | None = None) -> str | None:
     """Preprocess (or take the result of `processed`, started at `start`) and add one request."""
     engine = llm.engine
     start = time.time() if start is None else start
     try:
-        prompt = processed.result() if processed is not None else engine.process_prompt(req.engine_prompt())
+        prompt = processed() if processed is not None else engine.process_prompt(req.engine_prompt())
         engine_req = engine.add_processed(prompt, sampling_for(req), arrival_time=start)
     except ValueError as e:  # InvalidRequestError and friends: recorded, the run goes on
         tracker.records[f"failed-{req.request_id}"] = RequestRecord(
@@ -154,18 +156,16 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], workload: dict, label
     and the server, images are preprocessed on a few threads while the engine runs the requests already added
     (in order, as each is ready); every request's clock starts at the submission of all."""
     engine = llm.engine
-    with _Run(llm) as run, ThreadPoolExecutor(max_workers=PREPROCESS_THREADS) as pool:
+    jobs = [functools.partial(engine.process_prompt, req.engine_prompt()) for req in requests]
+    with _Run(llm) as run:
         start = time.time()
-        futures = [pool.submit(engine.process_prompt, req.engine_prompt()) for req in requests]
-        added = 0
-        while added < len(requests) or engine.has_unfinished_requests():
-            while added < len(requests) and (futures[added].done() or not engine.has_unfinished_requests()):
-                _submit(llm, run.tracker, requests[added], start, futures[added])
-                added += 1
-            if engine.has_unfinished_requests():
-                done = run.tracker.observe(engine.step(), time.time())
-                if progress and done:
-                    progress(len(done))
+        with OrderedFeeder(jobs, lambda k, result: _submit(llm, run.tracker, requests[k], start, result)) as feeder:
+            while not feeder.done or engine.has_unfinished_requests():
+                feeder.feed(block=not engine.has_unfinished_requests())
+                if engine.has_unfinished_requests():
+                    done = run.tracker.observe(engine.step(), time.time())
+                    if progress and done:
+                        progress(len(done))
     return run.result("throughput", label, workload)
 
 
