@@ -214,12 +214,14 @@ class InputProcessor:
             decoder = proc.decode_compact if pixels.dtype == torch.uint8 else None
             num_tokens = proc.num_image_tokens(grid)
         elif isinstance(proc, ClipImageProcessor):
-            if array is not None:
-                img = Image.fromarray(array)
             if kwargs:
                 raise InvalidRequestError(f"this model takes no mm_processor_kwargs, got {sorted(kwargs)}")
-            mm_hash = hash_image(img, proc.processor_params())
+            params = proc.processor_params()
+            mm_hash = (hash_image(img, params) if array is None
+                       else hash_pixels("RGB", array.shape[1], array.shape[0], params, array))
             cached = self.pixel_cache.get(mm_hash)
+            if cached is None and array is not None:
+                img = Image.fromarray(array)  # only to preprocess: a repeat is found by the array's hash
             pixels, grid = cached if cached is not None else (proc.preprocess(img, device=self.preprocess_device), None)
             worth_keeping = cached is None
             decoder = None
@@ -246,19 +248,16 @@ class InputProcessor:
         params = proc.processor_params(lo, hi)  # validates the overrides
         height, width = array.shape[:2] if array is not None else (img.height, img.width)
         worth_keeping = self.preprocess_device is not None or proc.target_size(height, width, lo, hi) != (height, width)
-        if array is not None and worth_keeping:
-            img, array = Image.fromarray(array), None  # resized like any other picture
-        if array is not None:
-            mm_hash = hash_pixels("RGB", width, height, params, array)
-        else:
-            raw = img.tobytes()  # once, for the hash and (without a resize) the compact pixels
-            mm_hash = hash_image(img, params, raw)
+        raw = None if array is not None else img.tobytes()  # once, for the hash and (no resize) the compact pixels
+        mm_hash = hash_pixels("RGB", width, height, params, array) if raw is None else hash_image(img, params, raw)
         cached = self.pixel_cache.get(mm_hash)
         if cached is not None:
             return mm_hash, *cached, False
-        if array is not None:  # already the compact image: the runner finishes it on its device
+        if array is not None and not worth_keeping:  # already the compact image: the runner finishes it
             pixels = torch.from_numpy(array.copy())  # the caller may reuse its array
             return mm_hash, pixels, (1, height // proc.patch_size, width // proc.patch_size), False
+        if array is not None:
+            img = Image.fromarray(array)  # resized like any other picture
         if self.preprocess_device is None:  # the compact uint8 image; the runner finishes it on its device
             return mm_hash, *proc.preprocess_compact(img, min_pixels=lo, max_pixels=hi, pixels=raw), worth_keeping
         return mm_hash, *proc.preprocess(img, min_pixels=lo, max_pixels=hi, device=self.preprocess_device), True

@@ -2,8 +2,9 @@
 
 The order of operations is the reference's, so results match it bit for bit on CPU:
 resize on the uint8 PIL image (Pillow's fixed-point resampler, exactly as HF's PIL backend does),
-then rescale in float64 cast to float32, then ``(x - mean) / std`` in float32. The float steps and
-the patchify can run on an accelerator (``device=``); there the division may differ by an ulp.
+then rescale in float64 cast to float32, then ``(x - mean) / std`` in float32. Qwen's float steps and
+patchify run wherever the resized uint8 image is (``device=``) as one table lookup computed on the CPU, so
+they are bit-identical on an accelerator too; CLIP's run there directly (the division may differ by an ulp).
 """
 
 from __future__ import annotations
@@ -200,14 +201,10 @@ class QwenImageProcessor:
 
     def preprocess(self, img: Image.Image, min_pixels: int | None = None, max_pixels: int | None = None,
                    device: torch.device | str | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """-> (pixel_values float32 (patches, C*T*P*P), grid_thw (1, h, w)); one image repeated over T."""
-        if device is None or torch.device(device).type == "cpu":
-            compact, grid = self.preprocess_compact(img, min_pixels, max_pixels)
-            return self.decode_compact(compact), grid
-        img = self._resized(img, min_pixels, max_pixels)
-        x = _normalize(np.asarray(img), self, device)  # (H, W, C) float32 on the device
-        t, p = self.temporal_patch_size, self.patch_size
-        return self._patchify(x, img.height, img.width, t).contiguous(), (1, img.height // p, img.width // p)
+        """-> (pixel_values float32 (patches, C*T*P*P), grid_thw (1, h, w)) on `device`; one image repeated over
+        T. The resized uint8 image crosses to the device and is finished there (`decode_compact`)."""
+        compact, grid = self.preprocess_compact(img, min_pixels, max_pixels)
+        return self.decode_compact(compact if device is None else compact.to(device)), grid
 
     def preprocess_compact(self, img: Image.Image, min_pixels: int | None = None, max_pixels: int | None = None,
                            pixels: bytes | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -230,7 +227,7 @@ class QwenImageProcessor:
         lookup (the normalization of each of the 256 values of each channel, computed like `_normalize`), then
         the temporal copy."""
         h, w, c = x.shape
-        rows = self._patchify(x, h, w, 1)  # (patches, C*P*P) uint8, a strided view until the lookup gathers it
+        rows = self._patchify(x, h, w)  # (patches, C*P*P) uint8, a strided view until the lookup gathers it
         n, cols = rows.shape
         per_channel = cols // c
         offsets = torch.arange(0, 256 * c, 256, dtype=torch.int32, device=x.device).repeat_interleave(per_channel)
@@ -243,15 +240,14 @@ class QwenImageProcessor:
         h, w = self.target_size(img.height, img.width, min_pixels, max_pixels)
         return img if (h, w) == (img.height, img.width) else img.resize((w, h), resample=self.resample)
 
-    def _patchify(self, x: torch.Tensor, h: int, w: int, t: int) -> torch.Tensor:
+    def _patchify(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
         """(H, W, C) pixels -> rows ordered merge-window by merge-window (the patch merger folds m*m neighbours),
-        each laid out as (C, T, P, P) like the Conv3d patch embedding expects, the image repeated T times."""
+        each laid out as (C, P, P) (`decode_compact` inserts the temporal axis of the Conv3d patch embedding)."""
         p, m = self.patch_size, self.merge_size
         gh, gw = h // p, w // p
         c = x.shape[-1]
         x = x.reshape(gh // m, m, p, gw // m, m, p, c).permute(0, 3, 1, 4, 6, 2, 5)
-        x = x.unsqueeze(5).expand(gh // m, gw // m, m, m, c, t, p, p)
-        return x.reshape(gh * gw, c * t * p * p)
+        return x.reshape(gh * gw, c * p * p)
 
     def _table_on(self, device: torch.device) -> torch.Tensor:
         tables = self.__dict__.setdefault("_tables_by_device", {})
