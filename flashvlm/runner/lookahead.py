@@ -27,17 +27,15 @@ import torch
 from flashvlm.engine.sched_output import SchedulerOutput
 from flashvlm.runner.cuda_graph import DecodeGraphs
 from flashvlm.runner.inputs import DecodeBatch
+from flashvlm.runner.sampler import Sampler
 
 
 def pipeline_eligible(out: SchedulerOutput, batch: DecodeBatch) -> bool:
     """Every row samples greedily, with nothing the sampler would change (repetition penalty, a min_tokens ban)."""
     if len(batch.sample_rows) != batch.num_seqs:
         return False
-    for s in out.scheduled:
-        p, req = s.request.sampling_params, s.request
-        if not p.greedy or p.repetition_penalty != 1.0 or len(req.output_token_ids) < p.min_tokens:
-            return False
-    return True
+    return all(Sampler.is_plain_argmax(s.request.sampling_params, len(s.request.output_token_ids))
+               for s in out.scheduled)
 
 
 @dataclass

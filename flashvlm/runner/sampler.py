@@ -111,6 +111,13 @@ class Sampler:
         return self._mask_stop_tokens(logits, params, num_output_tokens, eos_token_ids)
 
     # --- logits processors --------------------------------------------------------------------
+    # A processor added here must also be ruled out by `is_plain_argmax`.
+
+    @staticmethod
+    def is_plain_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
+        """Whether a row's token is simply the argmax of its raw logits: greedy, and no logits processor changes
+        anything (no repetition penalty, min_tokens reached). The decode lookahead relies on it."""
+        return params.greedy and params.repetition_penalty == 1.0 and num_output_tokens >= params.min_tokens
 
     @staticmethod
     def _apply_repetition_penalty(
