@@ -195,10 +195,14 @@ def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: s
     torch.manual_seed(seed)
     tokenizer = demo_tokenizer()
     config = demo_config(tokenizer)
+    parent_recipe = None  # the recipe of the run continued from, so the chain can be repeated
     if init_from is None:
         model = Qwen2VLForConditionalGeneration(config)
     else:  # continue from an earlier run's checkpoint (weights only: a fresh optimizer and schedule)
         model = Qwen2VLForConditionalGeneration.from_pretrained(init_from, dtype=torch.float32)
+        # Read now, not after training: a folder without one must not fail the run at its end.
+        recipe_file = Path(init_from) / "training.json"
+        parent_recipe = json.loads(recipe_file.read_text()) if recipe_file.exists() else None
     model = model.to(device).train()
     batcher = Batcher(tokenizer, config.image_token_id)
     batch_vision_attention(model, batcher.patches_per_image)
@@ -261,9 +265,8 @@ def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: s
     (path / "preprocessor_config.json").write_text(json.dumps(qwen_preprocessor_config(PIXELS, PIXELS), indent=1))
     meta = {"steps": steps, "schedule_steps": horizon, "batch_size": batch_size, "lr": lr, "seed": seed,
             "device": device, "question_types": list(QUESTION_TYPES), "train_seconds": time.time() - t0,
-            "seconds_per_step": seconds_per_step, "stopped_early_at_step": stopped_at, "init_from": None, "log": log}
-    if init_from is not None:  # the recipe of the run continued from, so the chain can be repeated
-        meta["init_from"] = json.loads((Path(init_from) / "training.json").read_text())
+            "seconds_per_step": seconds_per_step, "stopped_early_at_step": stopped_at, "init_from": parent_recipe,
+            "log": log}
     (path / "training.json").write_text(json.dumps(meta, indent=1))
     return meta
 

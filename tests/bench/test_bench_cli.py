@@ -14,11 +14,6 @@ SMALL = ["--num-requests", "3", "--image-size", "112x84", "--text-tokens", "8-16
          "--device", "cpu", "--no-progress", "--kv-cache-tokens", "4096"]
 
 
-@pytest.fixture(autouse=True)
-def _model_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FLASHVLM_CACHE", str(tmp_path_factory.getbasetemp() / "flashvlm-cache"))
-
-
 def _run(args: list[str], out) -> dict:
     assert main(["bench", *args, "--out", str(out)]) == 0
     doc = load_results(out / "results.json")  # validates against the schema

@@ -37,12 +37,11 @@ def test_train_two_steps_then_load_and_eval(tmp_path) -> None:
     assert ours == ref[0, len(ids):].tolist()
 
 
-def test_eval_cli(tmp_path, monkeypatch, capsys) -> None:
+def test_eval_cli(tmp_path, capsys) -> None:
     import json
 
     from flashvlm.cli import main
 
-    monkeypatch.setenv("FLASHVLM_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "eval.json"
     assert main(["eval", "--num-examples", "4", "--device", "cpu", "--json", str(out)]) == 0
     assert "overall" in capsys.readouterr().out
