@@ -60,7 +60,7 @@ class Engine:
                                               preprocess_device=config.device if config.preprocess_on_gpu else None)
         self.runner = ModelRunner(config, self.model, self.dtype)
         num_blocks = self.runner.determine_num_blocks(
-            self.input_processor.profile_items(config.scheduler.max_num_batched_tokens))
+            lambda: self.input_processor.profile_items(config.scheduler.max_num_batched_tokens))
         config.cache.num_blocks = num_blocks
         self.runner.allocate_kv_cache(num_blocks)
         config.scheduler.lookahead_slots = 1 if self.runner.pipeline is not None else 0

@@ -55,7 +55,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """q, k, v: (tokens, heads, dim); cu_seqlens: host list of segment boundaries -> (tokens, heads, dim)."""
     groups = _device_groups(tuple(int(c) for c in cu_seqlens), q.device)
     for used in _recorders:
-        used.append(groups)
+        if not used or used[-1] is not groups:  # every block of a tower passes the same groups
+            used.append(groups)
     if len(groups) == 1 and groups[0][1].shape[0] == 1 and groups[0][0] == q.shape[0]:
         # One segment covering everything: 4-D (1, heads, len, dim), no gather.
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],

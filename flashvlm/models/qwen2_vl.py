@@ -71,7 +71,6 @@ def mrope_positions(length: int, images: list[tuple[int, int, int, int, int, str
     return positions, int(positions.max()) + 1 - length
 
 
-
 class Qwen2VLForConditionalGeneration(VLModel):
     uses_mrope = True
     vision_graphable = True

@@ -53,7 +53,8 @@ class GraphSet:
 
     def __init__(self) -> None:
         self.graphs: dict[Any, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[Any, torch.Tensor] = {}
+        self.outputs: dict[Any, Any] = {}
+        """Each key's `_forward` outputs, which its graph overwrites on every replay."""
         self.pool = None
         self.capture_seconds = 0.0
         self.memory_bytes = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -72,10 +73,8 @@ class _Timer:
         return self.t1 - self.t0
 
     def finished(self) -> bool:
-        """Whether both readings exist and the device has passed them (always true on CPU once stopped)."""
-        if self.cuda:
-            return self.end_event.query() and self.start_event.query()
-        return hasattr(self, "t1")
+        """Whether the device has passed the stop reading (the start is before it on the same stream)."""
+        return not self.cuda or self.end_event.query()
 
 
 class ModelRunner:
@@ -125,8 +124,9 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * spec.num_layers * self.block_size * spec.num_kv_heads * spec.head_dim * elem
 
-    def determine_num_blocks(self, vision_items: list[MMItem] | None = None) -> int:
-        """From kv_cache_tokens if given; else on CUDA from gpu_memory_utilization after profiling."""
+    def determine_num_blocks(self, vision_items: Callable[[], list[MMItem]] | None = None) -> int:
+        """From kv_cache_tokens if given; else on CUDA from gpu_memory_utilization after profiling (with the
+        stand-in images `vision_items()` makes, only then: the largest allowed image is large)."""
         cache = self.config.cache
         if cache.kv_cache_tokens is not None:
             return cache.kv_cache_tokens // self.block_size + 1  # +1: block 0 is the null block
@@ -135,7 +135,7 @@ class ModelRunner:
             tokens = sched.max_model_len * min(sched.max_num_seqs, 8)
             return tokens // self.block_size + 2
         free, total = torch.cuda.mem_get_info(self.device)
-        peak = self.profile_peak_memory(vision_items or [])
+        peak = self.profile_peak_memory(vision_items() if vision_items is not None else [])
         budget = total * cache.gpu_memory_utilization - (total - free) - peak - self.graph_memory_reserve()
         num_blocks = int(budget // self.kv_bytes_per_block())
         if num_blocks < 2:
