@@ -63,7 +63,8 @@ class BlockManager:
         # Blocks that running requests are about to compute: hash -> how many will. A waiting request whose
         # next blocks are among them can wait a step or two and then hit the cache instead of computing a copy.
         self._in_flight: dict[int, int] = {}
-        self._req_in_flight: dict[str, tuple[int, list[int]]] = {}  # rid -> (index of its first, hashes)
+        # rid -> [first, end): the blocks of its hash chain (_req_hashes, which only grows) still in flight
+        self._req_in_flight: dict[str, tuple[int, int]] = {}
         self.prefix_stats = PrefixCacheStats()
         self.num_evicted_blocks = 0
         """Cached blocks reused for other content (LRU eviction)."""
@@ -227,10 +228,12 @@ class BlockManager:
         as find_cached_prefix hashed them) are in flight until computed or freed."""
         if not self.enable_prefix_caching:
             return
-        hashes = self._req_hashes.get(req.request_id, [])[num_cached_blocks:]
         self._settle_in_flight(req.request_id, None)
-        self._req_in_flight[req.request_id] = (num_cached_blocks, hashes)
-        for h in hashes:
+        chain = self._req_hashes.get(req.request_id, [])
+        if num_cached_blocks >= len(chain):
+            return
+        self._req_in_flight[req.request_id] = (num_cached_blocks, len(chain))
+        for h in chain[num_cached_blocks:]:
             self._in_flight[h] = self._in_flight.get(h, 0) + 1
 
     def num_in_flight_blocks(self, req: Request, first_block: int) -> int:
@@ -248,18 +251,18 @@ class BlockManager:
         entry = self._req_in_flight.get(request_id)
         if entry is None:
             return
-        first, hashes = entry
-        cut = len(hashes) if done_blocks is None else max(0, min(len(hashes), done_blocks - first))
-        for h in hashes[:cut]:
+        first, end = entry
+        cut = end if done_blocks is None else max(first, min(end, done_blocks))
+        for h in self._req_hashes[request_id][first:cut]:
             left = self._in_flight[h] - 1
             if left:
                 self._in_flight[h] = left
             else:
                 del self._in_flight[h]
-        if cut == len(hashes):
+        if cut == end:
             del self._req_in_flight[request_id]
-        else:
-            self._req_in_flight[request_id] = (first + cut, hashes[cut:])
+        elif cut > first:
+            self._req_in_flight[request_id] = (cut, end)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (benchmarks measuring a cold cache). Held blocks stay valid."""
@@ -305,8 +308,8 @@ class BlockManager:
             assert n <= len(self._req_blocks.get(rid, ())), f"{rid}: more blocks hashed than owned"
         assert len(self._free) + len(holders) == self.num_usable_blocks, "a block is lost"
         counts: dict[int, int] = {}
-        for rid, (_, hashes) in self._req_in_flight.items():
+        for rid, (first, end) in self._req_in_flight.items():
             assert rid in self._req_blocks, f"{rid}: blocks in flight but it holds none"
-            for h in hashes:
+            for h in self._req_hashes[rid][first:end]:
                 counts[h] = counts.get(h, 0) + 1
         assert counts == self._in_flight, "in-flight block counts out of sync"
