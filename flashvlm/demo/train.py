@@ -17,7 +17,6 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from flashvlm.demo.scenes import IMAGE_SIZE, QUESTION_TYPES, answer_vocabulary, make_example, make_split
@@ -90,13 +89,9 @@ class Batcher:
             answer = self.tok.encode(ex.answer + "<|im_end|>", add_special_tokens=False)
             rows.append(prompt + answer)
             labels.append([-100] * len(prompt) + answer)
-            if raw_pixels:
-                pixels.append(np.asarray(ex.image.convert("RGB"), dtype=np.uint8))
-                grids.append(self.proc.grid_thw(ex.image.height, ex.image.width))
-            else:
-                pv, grid = self.proc.preprocess(ex.image)
-                pixels.append(pv)
-                grids.append(grid)
+            pv, grid = (self.proc.preprocess_compact if raw_pixels else self.proc.preprocess)(ex.image)
+            pixels.append(pv)
+            grids.append(grid)
         width = max(map(len, rows))
         ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
         lab = torch.full((len(rows), width), -100, dtype=torch.long)
@@ -113,7 +108,7 @@ class Batcher:
                  "position_ids": positions.to(device), "image_grid_thw": torch.tensor(grids, device=device),
                  "mm_token_type_ids": (ids == self.image_token_id).long().to(device)}
         if raw_pixels:
-            batch["images_u8"] = torch.from_numpy(np.stack(pixels)).to(device)
+            batch["images_u8"] = torch.stack(pixels).to(device)
         else:
             batch["pixel_values"] = torch.cat(pixels).to(device)
         return batch
