@@ -159,11 +159,12 @@ def _prefill_case(q_lens: list[int], ctx_lens: list[int], group: int, head_dim: 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 128), (7, 128)])
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 128), (7, 128), (7, 80)])  # 80: masked head-dim loads
 @pytest.mark.parametrize("q_lens,ctx_lens", [
     ([40, 17], [0, 0]),  # plain prefill, unaligned chunk ends
     ([1, 23, 1, 5], [45, 9, 16, 0]),  # mixed: decode tokens beside chunks with and without a cached prefix
-], ids=["prefill", "mixed"])
+    ([9, 30], [150, 70]),  # long prefixes: several unmasked key tiles before the diagonal ones
+], ids=["prefill", "mixed", "long-prefix"])
 def test_paged_prefill(device: str, dtype: torch.dtype, group: int, head_dim: int, q_lens: list[int],
                        ctx_lens: list[int]) -> None:
     q, cache, qsl, lens, tables = _prefill_case(q_lens, ctx_lens, group, head_dim, dtype, device,
