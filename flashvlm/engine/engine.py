@@ -57,8 +57,7 @@ class Engine:
         caching = cache.enable_prefix_caching or cache.encoder_cache_tokens > 0
         self.input_processor = InputProcessor(self.checkpoint, text_cfg.vocab_size, self.model.image_token_id,
                                               pixel_cache_bytes=(256 << 20) if caching else 0,
-                                              preprocess_device=config.device if config.preprocess_on_gpu else None,
-                                              pin_pixels=config.device.startswith("cuda"))
+                                              preprocess_device=config.device if config.preprocess_on_gpu else None)
         self.runner = ModelRunner(config, self.model, self.dtype)
         num_blocks = self.runner.determine_num_blocks(
             lambda: self.input_processor.profile_items(config.scheduler.max_num_batched_tokens))

@@ -24,7 +24,7 @@ from PIL import Image
 from flashvlm.models.loader import Checkpoint
 from flashvlm.processing.hashing import hash_image, hash_pixels
 from flashvlm.processing.images import load_image, rgb_array
-from flashvlm.processing.preprocess import ClipImageProcessor, QwenImageProcessor, get_image_processor, host_pixels
+from flashvlm.processing.preprocess import ClipImageProcessor, QwenImageProcessor, get_image_processor
 from flashvlm.request import InvalidRequestError, MMItem
 
 _IMAGE_PART_TYPES = ("image", "image_url", "input_image")
@@ -82,7 +82,7 @@ class InputProcessor:
 
     def __init__(self, checkpoint: Checkpoint, vocab_size: int, image_token_id: int,
                  max_images_per_prompt: int = 16, pixel_cache_bytes: int = 256 << 20,
-                 preprocess_device: str | None = None, pin_pixels: bool = False) -> None:
+                 preprocess_device: str | None = None) -> None:
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
         self.vocab_size = vocab_size
@@ -94,8 +94,6 @@ class InputProcessor:
         self._image_token = self.tokenizer.convert_ids_to_tokens(image_token_id)
         self.preprocess_device = preprocess_device
         """Where rescale/normalize/patchify run (None: CPU); decoding and resizing always run on the CPU."""
-        self.pin_pixels = pin_pixels
-        """Compact pixels go to page-locked memory: the engine uploads them to its GPU (preprocess.host_pixels)."""
 
     # ---- prompts -------------------------------------------------------------------------------
     def process(self, prompt: str | dict[str, Any], mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
@@ -256,13 +254,12 @@ class InputProcessor:
         if cached is not None:
             return mm_hash, *cached, False
         if array is not None and not worth_keeping:  # already the compact image: the runner finishes it
-            pixels = host_pixels(array, self.pin_pixels)  # a copy: the caller may reuse its array
+            pixels = torch.from_numpy(array.copy())  # the caller may reuse its array
             return mm_hash, pixels, (1, height // proc.patch_size, width // proc.patch_size), False
         if array is not None:
             img = Image.fromarray(array)  # resized like any other picture
         if self.preprocess_device is None:  # the compact uint8 image; the runner finishes it on its device
-            return mm_hash, *proc.preprocess_compact(img, min_pixels=lo, max_pixels=hi, pixels=raw,
-                                                     pin_memory=self.pin_pixels), worth_keeping
+            return mm_hash, *proc.preprocess_compact(img, min_pixels=lo, max_pixels=hi, pixels=raw), worth_keeping
         return mm_hash, *proc.preprocess(img, min_pixels=lo, max_pixels=hi, device=self.preprocess_device), True
 
     def _expand_placeholders(self, token_ids: list[int], items: list[MMItem]) -> list[int]:

@@ -106,16 +106,6 @@ def _value_table(proc: QwenImageProcessor | ClipImageProcessor) -> torch.Tensor:
     return _normalize(np.arange(256, dtype=np.uint8)[:, None].repeat(3, axis=1), proc, None).T.contiguous().flatten()
 
 
-def host_pixels(src: np.ndarray, pin_memory: bool = False) -> torch.Tensor:
-    """A copy of `src` in memory torch owns (writable, whatever `src` is). pin_memory: page-locked, from torch's
-    caching host allocator, for pixels bound for the GPU: their upload is then an asynchronous DMA instead of a
-    copy staged through the driver that blocks the host, and the reused blocks skip a fresh allocation's page
-    faults."""
-    out = torch.empty(src.shape, dtype=torch.uint8, pin_memory=pin_memory)
-    out.numpy()[...] = src
-    return out
-
-
 @dataclass
 class QwenImageProcessor:
     """Qwen2-VL / Qwen2.5-VL: smart-resize to multiples of patch*merge, patchify to flat rows."""
@@ -217,20 +207,20 @@ class QwenImageProcessor:
         return self.decode_compact(compact if device is None else compact.to(device)), grid
 
     def preprocess_compact(self, img: Image.Image, min_pixels: int | None = None, max_pixels: int | None = None,
-                           pixels: bytes | None = None,
-                           pin_memory: bool = False) -> tuple[torch.Tensor, tuple[int, int, int]]:
+                           pixels: bytes | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """The host path up to the resize: the resized image as uint8 (H, W, C), an eighth of the model-ready
         float bytes. `decode_compact` finishes it where it is used (on the GPU in the engine: patchify,
         normalize, temporal copy) into exactly what `preprocess` returns. `pixels`: the RGB image's tobytes(),
-        if the caller has it (used when no resize is needed). `pin_memory`: see `host_pixels`."""
+        if the caller has it (used when no resize is needed)."""
         resized = self._resized(img, min_pixels, max_pixels)
         p = self.patch_size
         grid = (1, resized.height // p, resized.width // p)
         if pixels is not None and resized is img and img.mode == "RGB":
-            # A plain memcpy of the bytes we hold (PIL's tobytes is slower).
-            return host_pixels(np.frombuffer(pixels, dtype=np.uint8).reshape(img.height, img.width, 3),
-                               pin_memory), grid
-        return host_pixels(np.asarray(resized, dtype=np.uint8), pin_memory), grid
+            # A plain memcpy of the bytes we hold (PIL's tobytes is slower); a bytearray, as torch wants writable.
+            return torch.frombuffer(bytearray(pixels), dtype=torch.uint8).view(img.height, img.width, 3), grid
+        img = resized
+        # np.array copies, so the tensor owns writable memory (torch wants that); one copy, no patchify here.
+        return torch.from_numpy(np.array(img, dtype=np.uint8, order="C")), grid
 
     def decode_compact(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 (H, W, C) of `preprocess_compact` -> float32 (patches, C*T*P*P): patch order, then one table

@@ -26,7 +26,6 @@ from flashvlm.processing.preprocess import (
     ClipImageProcessor,
     QwenImageProcessor,
     get_image_processor,
-    host_pixels,
     smart_resize,
 )
 from flashvlm.request import InvalidRequestError
@@ -113,23 +112,6 @@ def test_compact_rows_decode_to_the_model_ready_pixels() -> None:
     h, w = proc.target_size(157, 211)
     assert compact.dtype == torch.uint8 and compact.shape == (h, w, 3) and compact.numel() * 8 == ref.numel() * 4
     assert torch.equal(proc.decode_compact(compact), ref) and grid == proc.grid_thw(157, 211)
-
-
-@pytest.mark.parametrize("pin", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="page-locked memory needs CUDA"))])
-def test_host_pixels_copy_and_pinned_compact_path(pin: bool) -> None:
-    src = np.random.default_rng(3).integers(0, 256, (28, 42, 3), dtype=np.uint8)
-    src.setflags(write=False)  # bytes from a decoder, say: the copy must be writable anyway
-    out = host_pixels(src, pin_memory=pin)
-    assert out.is_pinned() == pin and out.dtype == torch.uint8 and np.array_equal(out.numpy(), src)
-    out[0, 0, 0] ^= 1  # writable, and not a view of src
-    assert src[0, 0, 0] != out[0, 0, 0]
-    # Both compact routes (with the image's bytes, no resize; and after a resize) give the same pixels pinned.
-    proc = QwenImageProcessor.from_config(QWEN_CFG)
-    for img in (Image.fromarray(src), rand_image(211, 157, seed=4)):
-        plain, grid = proc.preprocess_compact(img, pixels=img.tobytes())
-        pinned, grid2 = proc.preprocess_compact(img, pixels=img.tobytes(), pin_memory=pin)
-        assert torch.equal(plain, pinned) and grid == grid2 and pinned.is_pinned() == pin
 
 
 def test_qwen_per_request_override_matches_hf() -> None:
