@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import torch
 
 from flashvlm.models.decoder import PACKED_PROJECTIONS, DecoderModel
@@ -48,27 +49,28 @@ def _token_id(cfg, name: str) -> int:
 
 
 def mrope_positions(length: int, images: list[tuple[int, int, int, int, int, str]]) -> tuple[torch.Tensor, int]:
-    """(3, length) M-RoPE positions and the rope delta, for images given as (offset, end, t, merged h, merged w,
-    name) (see Qwen2VLForConditionalGeneration.prompt_positions; the demo trainer uses it to spare
-    transformers' per-row position loop)."""
-    segments: list[torch.Tensor] = []
+    """(3, length) int64 M-RoPE positions and the rope delta, for images given as (offset, end, t, merged h,
+    merged w, name) (see Qwen2VLForConditionalGeneration.prompt_positions; the demo trainer uses it to spare
+    transformers' per-row position loop). Built with numpy: it runs on the host before a request's first
+    step, where a dozen small torch ops cost ~0.25 ms."""
+    positions = np.empty((3, length), dtype=np.int64)
     cursor, pos = 0, 0
     for offset, end, t, gh, gw, name in sorted(images):
         if offset < cursor or end > length:
             raise ValueError(f"image {name}: placeholders [{offset}, {end}) overlap another image or run past "
                              f"the prompt ({length} tokens)")
-        text_len = offset - cursor
-        segments.append(torch.arange(text_len).expand(3, -1) + pos)
-        pos += text_len
-        axes = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
-        segments.append(torch.stack(axes).reshape(3, -1) + pos)
+        positions[:, cursor:offset] = np.arange(pos, pos + offset - cursor)
+        pos += offset - cursor
+        grid = positions[:, offset:end].reshape(3, t, gh, gw)
+        grid[0] = pos + np.arange(t)[:, None, None]
+        grid[1] = pos + np.arange(gh)[None, :, None]
+        grid[2] = pos + np.arange(gw)[None, None, :]
         pos += max(gh, gw)
         cursor = end
-    segments.append(torch.arange(length - cursor).expand(3, -1) + pos)
-    positions = torch.cat(segments, dim=1)
+    positions[:, cursor:] = np.arange(pos, pos + length - cursor)
     if length == 0:
-        return positions, 0
-    return positions, int(positions.max()) + 1 - length
+        return torch.from_numpy(positions), 0
+    return torch.from_numpy(positions), int(positions.max()) + 1 - length
 
 
 class Qwen2VLForConditionalGeneration(VLModel):

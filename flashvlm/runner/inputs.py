@@ -36,7 +36,7 @@ class PositionStore:
         return request_id in self._prompt
 
     def put(self, request_id: str, prompt_positions: torch.Tensor, delta: int) -> None:
-        self._prompt[request_id] = prompt_positions.cpu().numpy().astype(np.int64)
+        self._prompt[request_id] = np.asarray(prompt_positions.cpu().numpy(), dtype=np.int64)  # no copy if int64
         self._delta[request_id] = int(delta)
 
     def drop(self, request_id: str) -> None:
