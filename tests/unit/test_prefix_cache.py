@@ -74,6 +74,24 @@ def test_chain_extends_incrementally_over_outputs() -> None:
     assert extend_block_hashes(hashes, req, 4, 2) == chain(list(range(6)) + [7, 8], bs=4)
 
 
+def test_chain_equals_hash_block_chained() -> None:
+    """The batched chain (tokens packed once, sliced per block) hashes exactly what hash_block does, block by
+    block, across images, the prompt's end and several extensions."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(50_000) for _ in range(37)]
+    items = [image("A", 3, 9), image("B", 14, 11)]
+    req = req_of("r", prompt, items)
+    hashes = extend_block_hashes([], req, 4, 5)
+    req.output_token_ids += [rng.randrange(50_000) for _ in range(13)]
+    extend_block_hashes(hashes, req, 4, 12)
+    tokens = prompt + req.output_token_ids
+    want, parent = [], None
+    for i in range(12):
+        parent = hash_block(parent, tokens[4 * i: 4 * i + 4], block_mm_keys(items, 4 * i, 4 * i + 4))
+        want.append(parent)
+    assert hashes == want
+
+
 # ---- block manager ---------------------------------------------------------------------------------
 
 def compute(bm: BlockManager, req: Request, upto: int) -> None:
