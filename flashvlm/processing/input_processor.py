@@ -296,17 +296,18 @@ def _timed(fn, *args) -> ProcessedPrompt:
 
 
 def _runs_of(ids: list[int], tok: int) -> list[tuple[int, int]]:
-    runs, i = [], 0
-    while i < len(ids):
-        if ids[i] == tok:
-            j = i
-            while j < len(ids) and ids[j] == tok:
-                j += 1
-            runs.append((i, j - i))
-            i = j
-        else:
-            i += 1
-    return runs
+    """(start, length) of each run of `tok` in `ids`; list.index skips the text between runs in C."""
+    runs, i, n = [], 0, len(ids)
+    while True:
+        try:
+            i = ids.index(tok, i)
+        except ValueError:
+            return runs
+        j = i + 1
+        while j < n and ids[j] == tok:
+            j += 1
+        runs.append((i, j - i))
+        i = j
 
 
 def _image_source(part: dict, where: str) -> Any:
