@@ -29,7 +29,9 @@ MMKey = tuple[str, int, int]
 
 
 def hash_block(parent: int | None, token_ids: Sequence[int], mm_keys: Sequence[MMKey] = ()) -> int:
-    """Chain hash of one full block. Every variable-size field is length-prefixed."""
+    """Chain hash of one full block. Every variable-size field is length-prefixed. With `block_mm_keys`, the
+    definition of the chain: `extend_block_hashes` computes the same digests in one sweep (the hot path), and
+    the tests check it against these, as a kernel is checked against its reference."""
     parent_bytes = _ROOT if parent is None else parent.to_bytes(16, "little")
     keys = [(_mm_prefix(mm_hash), index, pos) for mm_hash, index, pos in mm_keys]
     digest = _block_digest(parent_bytes, len(token_ids).to_bytes(4, "little"), array("q", token_ids).tobytes(), keys)

@@ -68,9 +68,7 @@ def mrope_positions(length: int, images: list[tuple[int, int, int, int, int, str
         pos += max(gh, gw)
         cursor = end
     positions[:, cursor:] = np.arange(pos, pos + length - cursor)
-    if length == 0:
-        return torch.from_numpy(positions), 0
-    return torch.from_numpy(positions), int(positions.max()) + 1 - length
+    return torch.from_numpy(positions), int(positions.max()) + 1 - length if length else 0
 
 
 class Qwen2VLForConditionalGeneration(VLModel):
