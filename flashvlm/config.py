@@ -57,7 +57,9 @@ class SchedulerConfig:
     lookahead_slots: int = 0
     """Filled by the engine: 1 when the runner launches decode steps ahead (decode_lookahead with CUDA graphs).
     A decoding request then also holds the block of its next token when one is free, so the step launched
-    ahead never waits on an allocation; no request is ever preempted for such a slot."""
+    ahead never waits on an allocation. Such a block is taken only from a surplus (a free block left for every
+    running request), so no running request's own token preempts anyone for it; a new request admitted in the
+    same step may find fewer free blocks and preempt a lower-priority one."""
     shared_prefix_wait_tokens: int = 256
     """A waiting request whose next uncached prompt blocks (this many tokens or more, e.g. a repeated image's
     placeholders) are being computed right now by a running request waits until they are cached, and lets
@@ -110,8 +112,9 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
         if s.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
-        if s.shared_prefix_wait_tokens < 0:
-            raise ConfigError(f"shared_prefix_wait_tokens must be >= 0, got {s.shared_prefix_wait_tokens}")
+        wait = s.shared_prefix_wait_tokens
+        if isinstance(wait, bool) or not isinstance(wait, int) or wait < 0:
+            raise ConfigError(f"shared_prefix_wait_tokens must be an integer >= 0, got {wait!r}")
         for name, caps in (("max_running_per_group", s.max_running_per_group),
                            ("share_running_per_group", s.share_running_per_group)):
             for group, cap in caps.items():

@@ -40,6 +40,8 @@ class _StepState:
     preempted: set[str] = field(default_factory=set)
     running_in: dict[str | None, int] = field(default_factory=dict)
     """Running requests per group, counted once admission starts (preemptions keep it current)."""
+    capped: set[str] = field(default_factory=set)
+    """Waiting requests passed over only because their group is at its hard cap."""
 
 
 class Scheduler:
@@ -195,7 +197,8 @@ class Scheduler:
             encoder_inputs=encoder_inputs,
             free_encoder_hashes=self.encoder_cache.pop_freeable(),
             finished_request_ids=self._left_since_last_step,
-            may_admit=bool(self._waiting) and len(self._running) < self.config.max_num_seqs,
+            # Requests held back by a hard cap stay held while nothing finishes: they do not count.
+            may_admit=len(self._waiting) > len(step.capped) and len(self._running) < self.config.max_num_seqs,
         )
         self._left_since_last_step = []
         return output
@@ -262,6 +265,9 @@ class Scheduler:
         hard, share = self.config.max_running_per_group, self.config.share_running_per_group
         i = 0
         while i < len(self._waiting) and step.budget > 0:
+            full = len(self._running) >= self.config.max_num_seqs
+            if full and not share:
+                return False  # only taking back a borrowed slot could seat anyone, and nothing is lent
             req = self._waiting[i]
             if self._never_fits_now(req):
                 self._abort_for_capacity(req)
@@ -270,21 +276,25 @@ class Scheduler:
                 return False  # evicted this very step; strict FCFS keeps everyone behind it waiting too
             n = running_in.get(req.group, 0)
             over_share = req.group in share and n >= share[req.group]
-            if (req.group in hard and n >= hard[req.group]) or (over_share and not borrow):
+            if req.group in hard and n >= hard[req.group]:
+                step.capped.add(req.request_id)
                 i += 1  # its group is full; that must not hold back other groups behind it
+                continue
+            if over_share and not borrow:
+                i += 1
                 continue
             # Waiting requests (new or preempted) hold no blocks and have num_computed_tokens == 0.
             prefix = bm.find_cached_prefix(req)
             if may_wait and self._waits_for_in_flight(req, len(prefix)):
                 i += 1  # its shared blocks are being computed: cached hits in a step or two
                 continue
-            # After the wait check, so a borrowed slot is never taken back for a request that then waits.
-            if len(self._running) >= self.config.max_num_seqs and (
-                    over_share or not self._reclaim_slot(req, step)):
-                return False
             num_hit = len(prefix) * bm.block_size
             num_new = min(req.num_tokens - num_hit, step.budget)
             target = num_hit + num_new
+            # After the wait check, so a borrowed slot is never taken back for a request that then waits; and
+            # only if the request's blocks can then be found, so it is never taken back for nothing.
+            if full and (over_share or not self._reclaim_slot(req, target, prefix, step)):
+                return False
             if (not bm.allocate_slots(req.request_id, target, prefix)
                     and not self._make_room(req, target, prefix, step)):
                 return False  # no skipping ahead: later requests have equal or lower priority
@@ -298,12 +308,15 @@ class Scheduler:
             step.budget -= num_new
         return True
 
-    def _reclaim_slot(self, req: Request, step: _StepState) -> bool:
-        """Preempt the newest running request of worse priority whose group is past its share, if any."""
+    def _reclaim_slot(self, req: Request, target: int, prefix: list[KVBlock], step: _StepState) -> bool:
+        """Preempt the newest running request of worse priority whose group is past its share, if there is one
+        and req's blocks (up to `target`) can then be found."""
         share = self.config.share_running_per_group
         for victim in reversed(self._running):
             g = victim.group
             if victim.priority > req.priority and g in share and step.running_in.get(g, 0) > share[g]:
+                if not self._room_possible(req, target, prefix):
+                    return False
                 self._preempt(victim, step)
                 return True
         return False
@@ -324,14 +337,20 @@ class Scheduler:
         if num_hit:
             self.num_images_skipped += sum(1 for it in req.mm_items if it.num_tokens > 0 and it.end <= num_hit)
 
+    def _room_possible(self, req: Request, target: int, prefix: list[KVBlock]) -> bool:
+        """Whether req's blocks up to `target` fit once every strictly-lower-priority running request is
+        preempted. A prefix block a victim frees comes back to the free list and is taken again at once, so it
+        does not count."""
+        bm = self.block_manager
+        keep = set(prefix)
+        reclaimable = sum(bm.num_blocks_freed_by(r.request_id, keep) for r in self._running
+                          if r.priority > req.priority)
+        return bm.num_free_blocks + reclaimable >= bm.num_new_blocks_needed(req.request_id, target, prefix)
+
     def _make_room(self, req: Request, target: int, prefix: list[KVBlock], step: _StepState) -> bool:
         """Preempt strictly-lower-priority running requests for req's blocks, if that is enough."""
         bm = self.block_manager
-        lower = [r for r in self._running if r.priority > req.priority]
-        # A prefix block a victim frees comes back to the free list and is taken again at once: no gain.
-        keep = set(prefix)
-        reclaimable = sum(bm.num_blocks_freed_by(r.request_id, keep) for r in lower)
-        if bm.num_free_blocks + reclaimable < bm.num_new_blocks_needed(req.request_id, target, prefix):
+        if not self._room_possible(req, target, prefix):
             return False  # would preempt for nothing
         while not bm.allocate_slots(req.request_id, target, prefix):
             if not self._running or self._running[-1].priority <= req.priority:

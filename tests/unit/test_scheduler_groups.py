@@ -109,7 +109,9 @@ def test_hard_cap_holds_when_borrowing() -> None:
 
 @pytest.mark.parametrize("field,value", [("max_running_per_group", {"bronze": 0}),
                                          ("share_running_per_group", {"bronze": -1}),
-                                         ("shared_prefix_wait_tokens", -16)])
+                                         ("shared_prefix_wait_tokens", -16),
+                                         ("shared_prefix_wait_tokens", 1.5),
+                                         ("shared_prefix_wait_tokens", None)])
 def test_caps_are_validated(field: str, value) -> None:
     cfg = EngineConfig(model=ModelConfig(model="x"), device="cpu", scheduler=SchedulerConfig(**{field: value}))
     with pytest.raises(ConfigError, match=field):
@@ -161,3 +163,46 @@ def test_a_borrowed_slot_is_not_taken_back_for_a_request_that_then_waits() -> No
     while sched.has_unfinished():
         finish_step(sched)
     assert len(g1.output_token_ids) == 5 and g1.num_cached_tokens > 0
+
+
+def test_borrowed_slot_is_not_taken_back_when_the_better_request_still_cannot_start() -> None:
+    """Batch full, and even preempting every bronze request would not free the blocks gold's new prompt needs:
+    the borrower keeps its slot and its progress (no preemption for nothing)."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=256,
+                                      share_running_per_group={"bronze": 1}),
+                      BlockManager(13, 4, False), EncoderCacheManager(0))  # 12 usable blocks of 4
+    sched.add_request(Request("gA", list(range(28)), SamplingParams(max_tokens=50), group="gold", arrival_time=0))
+    for i in range(2):  # the second one borrows a slot past bronze's share
+        sched.add_request(Request(f"b{i}", [1, 2, 3], SamplingParams(max_tokens=50), priority=2, group="bronze",
+                                  arrival_time=1 + i))
+    for _ in range(2):
+        finish_step(sched)
+    sched.add_request(Request("g0", list(range(100, 124)), SamplingParams(max_tokens=5), group="gold",
+                              arrival_time=3))
+    for _ in range(3):
+        assert finish_step(sched) == ["gA", "b0", "b1"]
+    assert sched.num_preemptions_total == 0 and sched.num_waiting == 1
+
+
+def test_requests_held_only_by_a_hard_cap_do_not_count_as_admittable() -> None:
+    """may_admit tells the runner whether a waiting request could join next step (if not, it launches decode
+    steps ahead). A backlog its group's hard cap holds back cannot, however much room the batch has."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_running_per_group={"bronze": 2},
+                                      lookahead_slots=1), BlockManager(256, 4), EncoderCacheManager(0))
+    for i in range(6):
+        sched.add_request(req(f"b{i}", "bronze", arrival=i, max_tokens=50))
+    for _ in range(3):
+        out = sched.schedule()
+        sched.update(out, {s.request.request_id: 7 for s in out.scheduled if s.samples})
+        assert [s.request.request_id for s in out.scheduled] == ["b0", "b1"] and not out.may_admit
+    # Another group's request is seated at once; what waits after it is still only the capped backlog.
+    sched.add_request(req("g", "gold", arrival=10))
+    out = sched.schedule()
+    assert "g" in [s.request.request_id for s in out.scheduled] and not out.may_admit
+    # Uncapped requests left waiting by the token budget, with seats free, do count.
+    tight = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=5, max_running_per_group={"bronze": 2}),
+                      BlockManager(256, 4), EncoderCacheManager(0))
+    for i in range(3):
+        tight.add_request(req(f"g{i}", "gold", arrival=i))
+    out = tight.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["g0"] and out.may_admit
