@@ -247,19 +247,21 @@ class InputProcessor:
         lo, hi = kwargs.get("min_pixels"), kwargs.get("max_pixels")
         params = proc.processor_params(lo, hi)  # validates the overrides
         height, width = array.shape[:2] if array is not None else (img.height, img.width)
-        worth_keeping = self.preprocess_device is not None or proc.target_size(height, width, lo, hi) != (height, width)
-        raw = None if array is not None else img.tobytes()  # once, for the hash and (no resize) the compact pixels
-        mm_hash = hash_pixels("RGB", width, height, params, array) if raw is None else hash_image(img, params, raw)
+        resized = proc.target_size(height, width, lo, hi) != (height, width)
+        # The RGB bytes (load_image always gives RGB), read once for the hash and, without a resize, the pixels.
+        raw = array if array is not None else img.tobytes()
+        mm_hash = hash_pixels("RGB", width, height, params, raw)
         cached = self.pixel_cache.get(mm_hash)
         if cached is not None:
             return mm_hash, *cached, False
-        if array is not None and not worth_keeping:  # already the compact image: the runner finishes it
-            pixels = torch.from_numpy(array.copy())  # the caller may reuse its array
+        if not resized and self.preprocess_device is None:  # already the compact image: the runner finishes it
+            # A bytearray copy: torch wants writable memory, and an array's owner may reuse it.
+            pixels = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(height, width, 3)
             return mm_hash, pixels, (1, height // proc.patch_size, width // proc.patch_size), False
         if array is not None:
             img = Image.fromarray(array)  # resized like any other picture
         if self.preprocess_device is None:  # the compact uint8 image; the runner finishes it on its device
-            return mm_hash, *proc.preprocess_compact(img, min_pixels=lo, max_pixels=hi, pixels=raw), worth_keeping
+            return mm_hash, *proc.preprocess_compact(img, min_pixels=lo, max_pixels=hi), True
         return mm_hash, *proc.preprocess(img, min_pixels=lo, max_pixels=hi, device=self.preprocess_device), True
 
     def _expand_placeholders(self, token_ids: list[int], items: list[MMItem]) -> list[int]:

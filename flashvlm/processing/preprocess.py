@@ -9,7 +9,6 @@ they are bit-identical on an accelerator too; CLIP's run there directly (the div
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -206,21 +205,15 @@ class QwenImageProcessor:
         compact, grid = self.preprocess_compact(img, min_pixels, max_pixels)
         return self.decode_compact(compact if device is None else compact.to(device)), grid
 
-    def preprocess_compact(self, img: Image.Image, min_pixels: int | None = None, max_pixels: int | None = None,
-                           pixels: bytes | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    def preprocess_compact(self, img: Image.Image, min_pixels: int | None = None,
+                           max_pixels: int | None = None) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """The host path up to the resize: the resized image as uint8 (H, W, C), an eighth of the model-ready
         float bytes. `decode_compact` finishes it where it is used (on the GPU in the engine: patchify,
-        normalize, temporal copy) into exactly what `preprocess` returns. `pixels`: the RGB image's tobytes(),
-        if the caller has it (used when no resize is needed)."""
+        normalize, temporal copy) into exactly what `preprocess` returns."""
         resized = self._resized(img, min_pixels, max_pixels)
-        p = self.patch_size
-        grid = (1, resized.height // p, resized.width // p)
-        if pixels is not None and resized is img and img.mode == "RGB":
-            # A plain memcpy of the bytes we hold (PIL's tobytes is slower); a bytearray, as torch wants writable.
-            return torch.frombuffer(bytearray(pixels), dtype=torch.uint8).view(img.height, img.width, 3), grid
-        img = resized
+        grid = (1, resized.height // self.patch_size, resized.width // self.patch_size)
         # np.array copies, so the tensor owns writable memory (torch wants that); one copy, no patchify here.
-        return torch.from_numpy(np.array(img, dtype=np.uint8, order="C")), grid
+        return torch.from_numpy(np.array(resized, dtype=np.uint8, order="C")), grid
 
     def decode_compact(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 (H, W, C) of `preprocess_compact` -> float32 (patches, C*T*P*P): patch order, then one table
@@ -250,15 +243,12 @@ class QwenImageProcessor:
         return x.reshape(gh * gw, c * p * p)
 
     def _table_on(self, device: torch.device) -> torch.Tensor:
+        """The normalization lookup table, made once per device (kept outside the dataclass fields)."""
         tables = self.__dict__.setdefault("_tables_by_device", {})
         key = str(device)
         if key not in tables:
-            tables[key] = self._table.to(device)
+            tables[key] = _value_table(self).to(device)
         return tables[key]
-
-    @functools.cached_property
-    def _table(self) -> torch.Tensor:
-        return _value_table(self)
 
     def processor_params(self, min_pixels: int | None = None,
                          max_pixels: int | None = None) -> dict[str, Any]:

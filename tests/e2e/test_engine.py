@@ -201,7 +201,10 @@ def test_stage_breakdown_adds_up(llm: LLM) -> None:
 
 
 def test_preprocess_on_device_matches_host(ckpt) -> None:
-    """The device path (rescale/normalize/patchify after the PIL resize) equals the host path bit for bit."""
+    """The device path (rescale/normalize/patchify after the PIL resize) equals the host path bit for bit. Both
+    run decode_compact, which test_preprocess checks against transformers; so on CPU the pixel check is by
+    construction, and what this adds there is the engine end to end (float pixels vs compact ones, same tokens);
+    on a GPU it compares the GPU's arithmetic with the CPU's."""
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
