@@ -91,9 +91,9 @@ class TransformersBaseline:
         items = [it for p in prompts for it in p.mm_items]
         if items:
             if self.checkpoint.model_type == "llava":
-                pixels = torch.stack([it.model_pixels() for it in items])
+                pixels = torch.stack([it.model_pixels(self.device) for it in items])
             else:
-                pixels = torch.cat([it.model_pixels() for it in items])
+                pixels = torch.cat([it.model_pixels(self.device) for it in items])  # finished on the GPU, as ours
                 inputs["image_grid_thw"] = torch.tensor([it.grid_thw for it in items], device=self.device)
                 inputs["mm_token_type_ids"] = ((ids == self.image_token_id) & (mask == 1)).long().to(self.device)
             inputs["pixel_values"] = pixels.to(self.device, self.dtype)
