@@ -104,7 +104,8 @@ class GreedyDecodePipeline:
         slots = []
         for s, blocks, n in zip(out.scheduled, batch.block_ids, batch.seq_lens):
             req = s.request
-            if len(req.output_token_ids) + 1 >= req.sampling_params.max_tokens or n + 1 > self.max_model_len:
+            # This step's token makes n + 1 tokens: the request ends there at max_tokens or max_model_len.
+            if len(req.output_token_ids) + 1 >= req.sampling_params.max_tokens or n + 1 >= self.max_model_len:
                 return None  # this step is its last
             if n // bs >= len(blocks):
                 return None  # the next token opens a block the scheduler has not allocated yet

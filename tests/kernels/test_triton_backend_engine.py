@@ -206,3 +206,19 @@ def test_greedy_lookahead_gives_the_eager_tokens(tmp_path) -> None:
     assert ([o.token_ids for o in llm.generate(mixed_prompts, mixed)]
             == [o.token_ids for o in eager.generate(mixed_prompts, mixed)])
     assert pipeline.num_lookaheads > before  # once the sampled request is done, the greedy ones go ahead again
+
+
+def test_no_lookahead_past_max_model_len(tmp_path) -> None:
+    """A request that ends at max_model_len gets no lookahead launched for the step after its last (it could only
+    be dropped), and its tokens equal the eager path's."""
+    path = str(build_qwen2_vl(tmp_path / "m", seed=9))
+    prompt = {"prompt": "Two, text only, and longer."}
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)  # more than max_model_len allows
+    expected = LLM(path, enforce_eager=True, **DECODE_OPTS).generate(prompt, params)[0]
+    llm = LLM(path, **DECODE_OPTS)
+    _decode_graphs_on_cpu(llm, lookahead=True)
+    out = llm.generate(prompt, params)[0]
+    assert out.token_ids == expected.token_ids and out.finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.token_ids) == DECODE_OPTS["max_model_len"]
+    pipeline = llm.engine.runner.pipeline
+    assert pipeline.num_lookaheads > 10 and pipeline.num_dropped == 0 and pipeline._ahead is None
