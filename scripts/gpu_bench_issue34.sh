@@ -5,7 +5,8 @@
 # Run it on an otherwise idle host: host-bound numbers (TPOT, preprocessing) move with CPU load.
 # Env: TPUT_SIZES (throughput sizes; empty skips), LAT_CONFIGS (the 1008x756 sweep's configs), CUDA_TESTS=1 (first run
 # the kernel, graph and sampler tests on the GPU), SKIP_CHECK=1 (no gpu_check.py),
-# LAT_ONLY=1 (stop after the 1008x756 latency sweep), LAT_REQUESTS (its request count, 5), LAT1344_CONFIGS, SKIP_PROFILE=1.
+# LAT_ONLY=1 (stop after the 1008x756 latency sweep), LAT_REQUESTS (its request count, 5), LAT1344_CONFIGS, SKIP_PROFILE=1,
+# TPUT_ONLY=1 (stop after the throughput runs).
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}

@@ -3,8 +3,9 @@
     PYTHONPATH=. python scripts/gpu_check.py            # PARITY_MODEL=DIR: that checkpoint instead of the demo
     STAGES=kernels PYTHONPATH=. python scripts/gpu_check.py   # only the kernel timings
 
-1. Tiny Qwen2-VL in bf16: greedy tokens of the Triton path (attention + fused kernels) equal the
-   reference path (torch attention + torch ops) for 64 tokens, several prompts with images.
+1. A random tiny Qwen2-VL and the trained demo model, each in fp32 and bf16: greedy tokens of the Triton path
+   (attention + fused kernels) against the reference path (torch attention + torch ops), and graphs against
+   eager, for 64 tokens over several prompts with images.
 2. Kernel timings at Qwen2-VL-7B shapes against the floor (bytes over 4.2 TB/s), as CUDA-graph replays
    (do_bench_cudagraph): a Triton launch from Python costs 40-80 us on the H200's host, more than many of these
    kernels take, so plain do_bench timed the host. The ViT attention rows (200+ us, torch SDPA) use do_bench.

@@ -3,7 +3,7 @@
 # labels, one priority) and then by the packaged SLA tiers, measured by `flashvlm bench serve` with a gold/bronze
 # mix. Needs fastapi/uvicorn/pydantic: carry .whl (see the device README). Results under $OUT.
 # Env: RATES (req/s, each run by both arms), NUM (requests), MODEL_ARGS (default: the Qwen2-VL-7B config with
-# dummy weights), SIZE.
+# dummy weights), SIZE, SEQS (max_num_seqs, 32), OUTPUT_TOKENS, PORT (8011).
 set -o pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}

@@ -3,7 +3,7 @@
 # seeds, with the step counts its training.json records (stage 1 ran 3531 of a 5255-step schedule, cut by a
 # safety stop; stage 2 1376 of 1814), then evaluate it next to the shipped one on the same 1,000 test
 # questions. MODE=single: one budgeted run from scratch instead (BUDGET_S seconds of training, batch 256,
-# lr 5e-4), a candidate for a simpler shipped recipe. SKIP_SHIPPED=1 evaluates only the retrained model. Results: $OUT/demo.tgz, $OUT/train.log, $OUT/eval_*.json.
+# lr 5e-4), a candidate for a simpler shipped recipe. SKIP_SHIPPED=1 evaluates only the retrained model; WORKERS: data-loader processes (12). Results: $OUT/demo.tgz, $OUT/train.log, $OUT/eval_*.json.
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
