@@ -49,6 +49,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-lookahead", action=argparse.BooleanOptionalAction, default=True,
                    help="greedy decode steps launch the next step before reading their tokens, hiding the host's "
                         "per-step work behind the GPU (needs CUDA graphs)")
+    g.add_argument("--decode-gemv", action=argparse.BooleanOptionalAction, default=True,
+                   help="language-model projections of at most 4 rows (decode at batch <= 4) run our Triton GEMV, "
+                        "which streams weights faster than cuBLAS at these shapes (needs --kernel-backend triton)")
     g.add_argument("--vision-graphs", type=int, default=4,
                    help="vision-tower CUDA graphs kept for recurring image shapes (captured the second time a "
                         "shape is seen; 0: always eager)")
@@ -128,7 +131,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching,
                 encoder_cache_tokens=args.encoder_cache_tokens,
                 shared_prefix_wait_tokens=args.shared_prefix_wait_tokens,
-                decode_lookahead=args.decode_lookahead)
+                decode_lookahead=args.decode_lookahead, decode_gemv=args.decode_gemv)
 
 
 def _generate(args: argparse.Namespace) -> int:

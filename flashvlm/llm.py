@@ -32,7 +32,8 @@ class LLM:
                  encoder_cache_tokens: int = 8192, max_running_per_group: dict[str, int] | None = None,
                  prefill_graph_max_tokens: int = 2048, vision_graphs: int = 4,
                  shared_prefix_wait_tokens: int = 256,
-                 share_running_per_group: dict[str, int] | None = None, decode_lookahead: bool = True) -> None:
+                 share_running_per_group: dict[str, int] | None = None, decode_lookahead: bool = True,
+                 decode_gemv: bool = True) -> None:
         if model is None:
             from flashvlm.models.default import default_model_path
 
@@ -50,7 +51,7 @@ class LLM:
             device=device, attention_backend=attention_backend, kernel_backend=kernel_backend,
             enforce_eager=enforce_eager, preprocess_on_gpu=preprocess_on_gpu,
             prefill_graph_max_tokens=prefill_graph_max_tokens, vision_graphs=vision_graphs,
-            decode_lookahead=decode_lookahead)
+            decode_lookahead=decode_lookahead, decode_gemv=decode_gemv)
         self.engine = Engine(config)
 
     def get_tokenizer(self) -> Any:

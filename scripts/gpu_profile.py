@@ -1,18 +1,22 @@
 """Where a batch-1 request's time goes on the GPU (issue 4): decode graph replay vs the measured TPOT (the rest is
-host work per step), the kernels of one decode step, and the kernels of the ViT + prefill for one 1008x756 image.
+host work per step), the kernels of one decode step, the kernels of the ViT + prefill for one 1008x756 image, where
+the GPU idles inside that request's time to first token, and the host functions that take the time.
 
     PYTHONPATH=. python scripts/gpu_profile.py        # GPU only; tables on stdout, JSON in $OUT/profile.json
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
 import json
 import os
+import pstats
 import tempfile
 
 import numpy as np
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from flashvlm import LLM, SamplingParams
 from flashvlm.bench.model_configs import write_benchmark_model
@@ -33,6 +37,49 @@ def top_kernels(prof, n: int = 18) -> list[dict]:
         print(f"  {r['total_us']:9.0f} us {r['calls']:6d}x  {r['kernel']}")
     print(f"  {total:9.0f} us {calls:6d}x  (all kernels)")
     return [{"total_us": total, "calls": calls}] + rows[:n]
+
+
+def ttft_idle(llm: LLM, rng: np.random.Generator, words: str) -> dict:
+    """Where the GPU waits for the host inside one request's time to its first token: the time from the request's
+    start to its first kernel, the idle gaps between kernels (over 5 us) until the last one, and after it."""
+    img = rng.integers(0, 256, (756, 1008, 3), dtype=np.uint8)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("request"):
+            llm.generate({"prompt": PLACEHOLDER + words, "images": [img]},
+                         SamplingParams(temperature=0.0, max_tokens=1))
+        torch.cuda.synchronize()
+    events = prof.events()
+    req = next(e for e in events if e.name == "request")
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.start >= req.time_range.start)
+    gaps, busy_end = [], kernels[0][0]
+    for start, end in kernels:
+        if start - busy_end > 5:
+            gaps.append((busy_end - req.time_range.start, start - busy_end))
+        busy_end = max(busy_end, end)
+    res = {"request_ms": (req.time_range.end - req.time_range.start) / 1e3,
+           "before_first_kernel_ms": (kernels[0][0] - req.time_range.start) / 1e3,
+           "gaps_ms": sum(g for _, g in gaps) / 1e3, "after_last_kernel_ms": (req.time_range.end - busy_end) / 1e3,
+           "largest_gaps": [{"at_ms": round(a / 1e3, 3), "ms": round(g / 1e3, 3)}
+                            for a, g in sorted(gaps, key=lambda x: -x[1])[:8]]}
+    print("GPU idle inside one request (1 output token):", json.dumps(res))
+    return res
+
+
+def host_functions(llm: LLM, rng: np.random.Generator, words: str, n: int = 10) -> list[str]:
+    """Host functions by own time over n fresh requests of 1 output token (waits for the GPU show as syncs)."""
+    imgs = [rng.integers(0, 256, (756, 1008, 3), dtype=np.uint8) for _ in range(n)]
+    prof = cProfile.Profile()
+    prof.enable()
+    for img in imgs:
+        llm.generate({"prompt": PLACEHOLDER + words, "images": [img]}, SamplingParams(temperature=0.0, max_tokens=1))
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    lines = [line for line in text.getvalue().splitlines() if line.strip()][-26:]
+    print(f"host functions by own time over {n} requests:")
+    print("\n".join(lines))
+    return lines
 
 
 def main() -> None:
@@ -85,6 +132,8 @@ def main() -> None:
                      SamplingParams(temperature=0.0, max_tokens=1))
         torch.cuda.synchronize()
     res["prefill_kernels"] = top_kernels(prof, 25)
+    res["ttft_gpu_idle"] = ttft_idle(llm, rng, words)
+    res["ttft_host_functions"] = host_functions(llm, rng, words)
     with open(os.path.join(out_dir, "profile.json"), "w") as f:
         json.dump(res, f, indent=1)
 

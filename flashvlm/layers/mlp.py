@@ -6,14 +6,14 @@ import torch
 from torch import nn
 
 from flashvlm.layers.activation import SiluAndMul, get_activation
-from flashvlm.layers.linear import MergedLinear
+from flashvlm.layers.linear import Linear, MergedLinear
 
 
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act_and_mul = SiluAndMul() if act == "silu" else None
         self.act = get_activation(act)
 

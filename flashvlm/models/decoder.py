@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from flashvlm.layers.attention import ForwardContext, PagedAttention
-from flashvlm.layers.linear import MergedLinear
+from flashvlm.layers.linear import Linear, MergedLinear
 from flashvlm.layers.mlp import GatedMLP
 from flashvlm.layers.norm import RMSNorm
 from flashvlm.layers.rotary import MRotaryEmbedding, RotaryEmbedding, apply_rotary, apply_rotary_qk_
@@ -30,7 +30,7 @@ class DecoderAttention(nn.Module):
         self.head_dim = _head_dim(cfg)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False) and qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False) and qkv_bias)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
         self.use_triton_kernels = True
         """Fused rotary kernel on CUDA tensors; the engine sets it from EngineConfig.kernel_backend."""

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashvlm.layers.attention import ForwardContext
+from flashvlm.layers.linear import GEMV_MAX_ROWS, Linear, linear
 from flashvlm.request import MMItem
 
 
@@ -37,7 +37,7 @@ class VLModel(nn.Module):
     image_token_id: int = -1
     language_model: nn.Module
     """A models.decoder.DecoderModel; families set it (and lm_head) with init_language_model()."""
-    lm_head: nn.Linear | None
+    lm_head: Linear | None
 
     def init_language_model(self, hf_config, decoder: nn.Module) -> None:
         """Attach the text decoder and its head; tied embeddings share the embedding matrix (lm_head None)."""
@@ -47,7 +47,10 @@ class VLModel(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False)
                                         or getattr(text_cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else \
-            nn.Linear(text_cfg.hidden_size, text_cfg.vocab_size, bias=False)
+            Linear(text_cfg.hidden_size, text_cfg.vocab_size, bias=False)
+        self.use_triton_kernels = True
+        """Tied heads: the Triton GEMV for few rows, as a Linear head has (the engine sets both)."""
+        self.gemv_max_rows = GEMV_MAX_ROWS
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return self.language_model.kv_cache_spec()
@@ -69,7 +72,8 @@ class VLModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return F.linear(hidden, self.language_model.embed_tokens.weight)
+            return linear(hidden, self.language_model.embed_tokens.weight, max_rows=self.gemv_max_rows,
+                          enabled=self.use_triton_kernels)
         return self.lm_head(hidden)
 
     def prompt_positions(self, prompt_token_ids: list[int], mm_items: list[MMItem]) -> tuple[torch.Tensor, int]:

@@ -1,0 +1,144 @@
+"""Skinny matrix products for decode: y (M, N) = x (M, K) @ W (N, K)^T (+ bias) for M <= 16 rows.
+
+At small batch a decode step is one pass over the weights, so each projection should read its matrix at the
+memory's speed. cuBLAS's choices for these shapes leave bandwidth unused on the H200 (Qwen2-7B at batch 1:
+QKV at 2.9 TB/s, o_proj 2.3, gate/up 3.8, down 3.3 plus a split-K reduction kernel; scripts/gpu_gemv.py).
+
+Here each program owns BLOCK_N output columns for all rows (padded to 16, the tensor cores' smallest M) and
+streams its slice of W through a software-pipelined `tl.dot` loop. Matrices with few column blocks (o_proj:
+3584 columns) also split K over several programs, so every SM streams; the partial sums go to a float32
+workspace and the last program of a column block to finish (an atomic arrival count) adds them in a fixed
+order and writes the output: one launch, deterministic. Its count is reset by that program, so the counters
+(`locks`, int32 zeros, one per column block) can be reused by the next call on the same stream and inside CUDA
+graphs.
+
+Reference: `gemv_reference` (torch's linear). Tried and dropped: SiLU-and-mul fused into the down projection's
+input loads ran ~10x slower than cuBLAS plus the separate activation kernel (scripts/gpu_gemv.py, session 6).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+__all__ = ["GemvConfig", "gemv_config", "gemv_lock_count", "gemv_reference", "gemv_triton"]
+
+_ROWS = 16
+
+
+class GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, k_per_split, num_splits,
+                 x_stride, w_stride, out_stride,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < M
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * w_stride
+    x_rows = x_ptr + rows[:, None] * x_stride
+    ty = out_ptr.dtype.element_ty
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:  # K and k_per_split are multiples of BLOCK_K: only the column edge is masked
+            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None], other=0.0)
+            x_mask = row_ok[:, None]
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < k_end)[None, :], other=0.0)
+            x_mask = row_ok[:, None] & (ks < k_end)[None, :]
+        x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    if not SPLIT:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], acc.to(ty), mask=out_mask)
+    else:
+        parts = part_ptr + rows[:, None] * N + cols[None, :]  # workspace (num_splits, ROWS, N), float32
+        tl.store(parts + pid_k * ROWS * N, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is published
+        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:  # the last program of this column block adds the partials, in split order
+            total = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+            for s in range(num_splits):
+                total += tl.load(parts + s * ROWS * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], total.to(ty), mask=out_mask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next call
+
+
+def gemv_config(n: int, k: int) -> GemvConfig:
+    """Tile config for a (<= 16 rows) x (k x n) product, from scripts/gpu_gemv.py on the H200 (Qwen2-7B's shapes,
+    1-16 rows): wide matrices (gate/up, lm_head) 64 x 128 tiles with 3 stages; narrow ones 64 x 256 with 4, K split
+    in two when there are fewer than 64 column blocks (o_proj: 10.4 against cuBLAS's 11.5 us; down: 36.2
+    against 37.9)."""
+    if n >= 16384:
+        return GemvConfig(64, 128, 1, 4, 3)
+    return GemvConfig(64, 256, 2 if triton.cdiv(n, 64) < 64 and k >= 1024 else 1, 4, 4)
+
+
+def gemv_lock_count(n: int, config: GemvConfig) -> int:
+    """Arrival counters a split-K call needs: one per column block."""
+    return triton.cdiv(n, config.block_n)
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                config: GemvConfig | None = None,
+                locks: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) -> (M, N) for M <= 16; `weight` is (N, K) with contiguous rows.
+
+    A split-K config needs `locks`: int32 zeros on x's device, at least `gemv_lock_count` of them, not used by
+    another call at the same time (the layers own one buffer each); None allocates fresh ones."""
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"gemv takes 2-D x and weight, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns; the weight takes {k}")
+    if not 0 < m <= _ROWS:
+        raise ValueError(f"gemv takes 1..{_ROWS} rows, got {m}")
+    if weight.stride(1) != 1:
+        raise ValueError("gemv needs a weight whose rows are contiguous")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = GemvConfig(*config) if config is not None else gemv_config(n, k)
+    steps = triton.cdiv(k, cfg.block_k)
+    k_per_split = triton.cdiv(steps, cfg.split_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)  # no empty splits
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = out
+    if split > 1:
+        part = torch.empty((split, _ROWS, n), dtype=torch.float32, device=x.device)
+        need = gemv_lock_count(n, cfg)
+        if locks is None:
+            locks = torch.zeros(need, dtype=torch.int32, device=x.device)
+        elif locks.dtype != torch.int32 or locks.numel() < need or locks.device != x.device:
+            raise ValueError(f"locks must be >= {need} int32 zeros on {x.device}")
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        x, weight, bias if bias is not None else weight, out, part, locks if split > 1 else out, m, n, k,
+        k_per_split, split, x.stride(0), weight.stride(0), out.stride(0),
+        ROWS=_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, HAS_BIAS=bias is not None,
+        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
