@@ -3,6 +3,7 @@ host work per step), the kernels of one decode step, the kernels of the ViT + pr
 the GPU idles inside that request's time to first token, and the host functions that take the time.
 
     PYTHONPATH=. python scripts/gpu_profile.py        # GPU only; tables on stdout, JSON in $OUT/profile.json
+    STAGES=offline PYTHONPATH=. python scripts/gpu_profile.py   # only the kernels of one 512-request-run step
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import pstats
 import tempfile
+import time
 
 import numpy as np
 import torch
@@ -82,10 +84,42 @@ def host_functions(llm: LLM, rng: np.random.Generator, words: str, n: int = 10) 
     return lines
 
 
+def offline_step(path: str) -> dict:
+    """Kernels of one steady-state step of the 512-request offline run's shape: 8192-token budget, fresh 1008x756
+    images, decode rows riding along with prefill chunks and the step's images encoded together."""
+    llm = LLM(path, load_format="dummy", dtype="bfloat16", max_num_seqs=256, gpu_memory_utilization=0.9,
+              max_model_len=4096, max_num_batched_tokens=8192)
+    engine, rng = llm.engine, np.random.default_rng(1)
+    words = " ".join(f"w{i}" for i in rng.integers(1000, 9000, 64))
+    for _ in range(96):
+        img = rng.integers(0, 256, (756, 1008, 3), dtype=np.uint8)
+        engine.add_request({"prompt": PLACEHOLDER + words, "images": [img]},
+                           SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True))
+    for _ in range(4):  # warm-up: compiles, and decode rows join the prefill chunks
+        engine.step()
+    torch.cuda.synchronize()
+    engine.step_log = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    rec = engine.step_log[-1] if engine.step_log else None
+    print(f"one offline step: {wall_ms:.1f} ms wall"
+          + (f", {rec.num_prefill_tokens} prefill + {rec.num_decode_tokens} decode tokens, {rec.num_images} images"
+             if rec else ""))
+    return {"wall_ms": wall_ms, "kernels": top_kernels(prof, 30)}
+
+
 def main() -> None:
     out_dir = os.environ.get("OUT") or tempfile.mkdtemp()
     res: dict = {}
     path = write_benchmark_model("qwen2-vl-7b", tempfile.mkdtemp())
+    if os.environ.get("STAGES") == "offline":
+        res["offline_step"] = offline_step(str(path))
+        with open(os.path.join(out_dir, "profile_offline.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        return
     llm = LLM(str(path), load_format="dummy", dtype="bfloat16", max_num_seqs=8, gpu_memory_utilization=0.5,
               max_model_len=4096, max_num_batched_tokens=4096)
     rng = np.random.default_rng(0)

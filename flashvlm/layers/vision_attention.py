@@ -57,11 +57,17 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     for used in _recorders:
         if not used or used[-1] is not groups:  # every block of a tower passes the same groups
             used.append(groups)
-    if len(groups) == 1 and groups[0][1].shape[0] == 1 and groups[0][0] == q.shape[0]:
-        # One segment covering everything: 4-D (1, heads, len, dim), no gather.
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                           v.transpose(0, 1)[None], scale=scale)
-        return o[0].transpose(0, 1)
+    if len(groups) == 1 and groups[0][1].numel() == q.shape[0]:
+        # Equal segments covering every token in order (one image, same-size images, empty segments aside):
+        # a view as (segments, heads, len, dim), no gather and no scatter (8 ms of a 320 ms step on the H200
+        # with 8 images of 1008x756).
+        segments, length = groups[0][1].shape
+
+        def dense(x: torch.Tensor) -> torch.Tensor:
+            return x.unflatten(0, (segments, length)).transpose(1, 2)
+
+        o = F.scaled_dot_product_attention(dense(q), dense(k), dense(v), scale=scale)
+        return o.transpose(1, 2).flatten(0, 1)
     out = torch.empty_like(q)
     for _, idx in groups:
         flat = idx.reshape(-1)
