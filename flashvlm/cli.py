@@ -50,9 +50,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="greedy decode steps launch the next step before reading their tokens, hiding the host's "
                         "per-step work behind the GPU (needs CUDA graphs)")
     g.add_argument("--decode-gemv", action=argparse.BooleanOptionalAction, default=True,
-                   help="language-model projections of at most 16 rows (decode at batch <= 16, the head included) "
-                        "run our Triton GEMV, which streams weights faster than cuBLAS at these shapes (needs "
-                        "--kernel-backend triton)")
+                   help="linear projections of at most 16 rows (decode at batch <= 16 and the LM head, also "
+                        "prefill chunks or vision calls that small) run our Triton GEMV, which streams weights "
+                        "faster than cuBLAS at these shapes (needs --kernel-backend triton)")
     g.add_argument("--vision-graphs", type=int, default=4,
                    help="vision-tower CUDA graphs kept for recurring image shapes (captured the second time a "
                         "shape is seen; 0: always eager)")

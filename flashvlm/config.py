@@ -86,8 +86,8 @@ class EngineConfig:
     """Most vision-tower CUDA graphs kept, one per recurring batch shape (captured the second time a shape is
     seen); 0 = the tower always runs eagerly."""
     decode_gemv: bool = True
-    """Language-model projections of at most 16 rows (decode at batch <= 16, the head included) run our Triton
-    GEMV instead of cuBLAS (kernels/gemv.py). Needs kernel_backend="triton"."""
+    """Linear projections of at most 16 rows (decode at batch <= 16 and the LM head; also prefill chunks or vision
+    calls that small) run our Triton GEMV instead of cuBLAS (kernels/gemv.py). Needs kernel_backend="triton"."""
     decode_lookahead: bool = True
     """All-greedy pure-decode steps launch the next decode step before reading their own tokens, so the host's
     per-step work overlaps the GPU (runner/lookahead.py). Needs the decode graphs."""

@@ -5,12 +5,12 @@ memory's speed. cuBLAS's choices for these shapes leave bandwidth unused on the 
 QKV at 2.9 TB/s, o_proj 2.3, gate/up 3.8, down 3.3 plus a split-K reduction kernel; scripts/gpu_gemv.py).
 
 Here each program owns BLOCK_N output columns for all rows (padded to 16, the tensor cores' smallest M) and
-streams its slice of W through a software-pipelined `tl.dot` loop. Matrices with few column blocks (o_proj:
-3584 columns) also split K over several programs, so every SM streams; the partial sums go to a float32
-workspace and the last program of a column block to finish (an atomic arrival count) adds them in a fixed
-order and writes the output: one launch, deterministic. Its count is reset by that program, so the counters
-(`locks`, int32 zeros, one per column block) can be reused by the next call on the same stream and inside CUDA
-graphs.
+streams its slice of W once through a `tl.dot` loop; many programs in flight hide the loads' latency.
+Matrices with few column blocks (o_proj: 3584 columns) also split K over several programs, so every SM
+streams; the partial sums go to a float32 workspace and the last program of a column block to finish (an
+atomic arrival count) adds them in a fixed order and writes the output: one launch, deterministic. Its count
+is reset by that program, so the counters (`locks`, int32 zeros, one per column block) can be reused by the
+next call on the same stream and inside CUDA graphs.
 
 Reference: `gemv_reference` (torch's linear). Tried and dropped: SiLU-and-mul fused into the down projection's
 input loads ran ~10x slower than cuBLAS plus the separate activation kernel (scripts/gpu_gemv.py, session 6).
@@ -114,6 +114,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"x has {x.shape[1]} columns; the weight takes {k}")
     if not 0 < m <= _ROWS:
         raise ValueError(f"gemv takes 1..{_ROWS} rows, got {m}")
+    if x.is_cuda and x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"gemv runs bf16 or fp16 on the GPU (tl.dot would round {x.dtype} to TF32)")
     if weight.stride(1) != 1:
         raise ValueError("gemv needs a weight whose rows are contiguous")
     if x.stride(1) != 1:

@@ -76,7 +76,10 @@ class MergedLinear(Linear):
 
 
 def set_gemv_max_rows(model: nn.Module, rows: int) -> None:
-    """Products of at most `rows` rows take the GEMV in every Linear of `model` (0: none)."""
+    """Products of at most `rows` rows take the GEMV in every Linear of `model` (0: none). Also zeroes the GEMV's
+    split-K counters, which must start at zero however the model was built (e.g. `to_empty` from meta)."""
     for module in model.modules():
         if hasattr(module, "gemv_max_rows"):
             module.gemv_max_rows = rows
+        if isinstance(module, Linear):
+            module.gemv_locks.zero_()

@@ -57,7 +57,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     for used in _recorders:
         if not used or used[-1] is not groups:  # every block of a tower passes the same groups
             used.append(groups)
-    if len(groups) == 1 and groups[0][1].numel() == q.shape[0]:
+    if len(groups) == 1 and groups[0][1].numel() == q.shape[0] and cu_seqlens[0] == 0:
         # Equal segments covering every token in order (one image, same-size images, empty segments aside):
         # a view as (segments, heads, len, dim), no gather and no scatter (8 ms of a 320 ms step on the H200
         # with 8 images of 1008x756).

@@ -104,9 +104,6 @@ def test_gemv_config_at_qwen2_7b_shapes():
     assert gemv_config(4608, 3584).split_k == 1
     assert gemv_config(3584, 18944).split_k == 2
     assert gemv_config(64, 64).split_k == 1  # too short to split
-    for n, k in ((4608, 3584), (3584, 3584), (3584, 18944), (37888, 3584), (64, 64)):
-        cfg = gemv_config(n, k)
-        assert cfg.block_n & (cfg.block_n - 1) == 0 and cfg.block_k & (cfg.block_k - 1) == 0
 
 
 def test_dispatch_policy():
@@ -155,3 +152,47 @@ def test_layers_route_few_rows_through_the_gemv(monkeypatch):
     head(torch.randn(1, 24))
     assert calls == []
     assert linear(torch.randn(1, 24), head.weight, enabled=False).shape == (1, 10)
+
+
+@pytest.mark.skipif(not _CPU_OK, reason="needs TRITON_INTERPRET=1")
+def test_layer_split_k_uses_and_resets_its_own_counters(monkeypatch):
+    """A narrow Linear with a long K splits; the layer hands the kernel its own counters, which end at zero.
+    set_gemv_max_rows zeroes counters that start dirty (a model materialised from meta, say)."""
+    monkeypatch.setattr("flashvlm.layers.linear.use_triton", lambda x, enabled=None, force=False: enabled is not False)
+    monkeypatch.setattr("flashvlm.layers.linear._GEMV_DTYPES", (torch.float32,))
+    seen = []
+    real = gemv_mod.gemv_triton
+    monkeypatch.setattr(gemv_mod, "gemv_triton", lambda *a, **kw: seen.append(kw["locks"]) or real(*a, **kw))
+    torch.manual_seed(0)
+    layer = Linear(1024, 64, bias=True)
+    assert gemv_config(64, 1024).split_k == 2
+    layer.gemv_locks.fill_(7)
+    set_gemv_max_rows(layer, 16)
+    assert not layer.gemv_locks.any()
+    x = torch.randn(2, 1024)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-4, atol=1e-4)
+    assert seen and seen[0] is layer.gemv_locks and not layer.gemv_locks.any()
+
+
+@pytest.mark.skipif(not _CPU_OK, reason="needs TRITON_INTERPRET=1")
+def test_tied_head_and_engine_switch(monkeypatch, tmp_path):
+    """A tied LM head (no lm_head module) takes the GEMV for few rows too; decode_gemv=False reaches every layer."""
+    from flashvlm import LLM
+    from flashvlm.testing.tiny_checkpoints import build_qwen2_vl
+
+    path = build_qwen2_vl(tmp_path / "tied", tie_word_embeddings=True)
+    llm = LLM(str(path), decode_gemv=False)
+    model = llm.engine.model
+    assert model.lm_head is None
+    assert all(m.gemv_max_rows == 0 for m in model.modules() if hasattr(m, "gemv_max_rows"))
+    calls = []
+    monkeypatch.setattr("flashvlm.layers.linear.use_triton", lambda x, enabled=None, force=False: enabled is not False)
+    monkeypatch.setattr("flashvlm.layers.linear._GEMV_DTYPES", (torch.float32,))
+    monkeypatch.setattr(gemv_mod, "gemv_triton", lambda x, w, *a, **kw: calls.append(w.shape) or x @ w.t())
+    hidden = torch.randn(3, model.language_model.embed_tokens.embedding_dim)
+    model.compute_logits(hidden)
+    assert calls == []  # switched off
+    set_gemv_max_rows(model, 16)
+    logits = model.compute_logits(hidden)
+    assert calls == [model.language_model.embed_tokens.weight.shape]
+    torch.testing.assert_close(logits, hidden @ model.language_model.embed_tokens.weight.t())

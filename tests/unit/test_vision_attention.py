@@ -36,3 +36,10 @@ def test_equal_segments_take_no_gather(cu: list[int], gathers: int, monkeypatch)
             ref = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
                                                  v[a:b].transpose(0, 1), scale=0.3).transpose(0, 1)
             torch.testing.assert_close(out[a:b], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_boundaries_not_from_zero_are_not_taken_as_a_view() -> None:
+    """Equal segments that do not start at token 0 are not a tiling of the tokens: no silent view."""
+    q = torch.randn(8, 2, 8)
+    with pytest.raises(IndexError):
+        varlen_attention(q, q, q, [2, 6, 10])
