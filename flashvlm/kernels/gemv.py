@@ -120,7 +120,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError("gemv needs a weight whose rows are contiguous")
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = GemvConfig(*config) if config is not None else gemv_config(n, k)
+    cfg = config or gemv_config(n, k)
     steps = triton.cdiv(k, cfg.block_k)
     k_per_split = triton.cdiv(steps, cfg.split_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)  # no empty splits
