@@ -35,14 +35,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from config.json alone (benchmarks)")
     g.add_argument("--seed", type=int, default=0, help="seed for random weights and unseeded sampling")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "triton"],
-                   help="paged attention: auto = Triton kernels on CUDA, plain torch (reference) on CPU")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "triton", "fa4"],
+                   help="the LM's paged attention: auto = fa4 where it runs, else Triton kernels on CUDA, plain "
+                        "torch (reference) on CPU; fa4 = prefill through FlashAttention-4 (pip install "
+                        "'flashvlm[fa4]', Hopper/Blackwell), decode through our Triton kernel")
+    g.add_argument("--vision-attention", default="auto", choices=["auto", "sdpa", "fa4"],
+                   help="the vision tower's attention: auto = fa4 where it runs, else sdpa (torch's fused kernels)")
     g.add_argument("--kernel-backend", default="triton", choices=["triton", "torch"],
                    help="fused norm/rotary/activation ops: Triton on CUDA tensors, or the torch reference")
     g.add_argument("--preprocess-on-gpu", action="store_true",
                    help="rescale/normalize/patchify images on the GPU (queued requests' pixels then use GPU memory)")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs (decode steps are captured only with --attention-backend triton on CUDA)")
+                   help="no CUDA graphs (steps are captured only with --attention-backend triton or fa4 on CUDA)")
     g.add_argument("--prefill-graph-max-tokens", type=int, default=2048,
                    help="prefill, cached-prefix and mixed steps up to this many tokens also replay CUDA graphs "
                         "(0: decode steps only)")
@@ -126,7 +130,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_tokens=args.kv_cache_tokens,
                 block_size=args.block_size, load_format=args.load_format, seed=args.seed,
-                attention_backend=args.attention_backend, kernel_backend=args.kernel_backend,
+                attention_backend=args.attention_backend, vision_attention=args.vision_attention,
+                kernel_backend=args.kernel_backend,
                 enforce_eager=args.enforce_eager, preprocess_on_gpu=args.preprocess_on_gpu,
                 prefill_graph_max_tokens=args.prefill_graph_max_tokens, vision_graphs=args.vision_graphs,
                 enable_prefix_caching=args.enable_prefix_caching,

@@ -73,8 +73,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"
     attention_backend: str = "auto"
-    """auto (triton on CUDA when Triton imports, else reference), reference (plain torch, any device) or
-    triton (paged Triton kernels; CUDA, or CPU under TRITON_INTERPRET=1)."""
+    """auto (fa4 where it runs, else triton on CUDA when Triton imports, else reference), reference (plain torch,
+    any device), triton (paged Triton kernels; CUDA, or CPU under TRITON_INTERPRET=1) or fa4 (prefill through
+    the optional FlashAttention-4 package on Hopper/Blackwell, decode through our Triton kernel)."""
+    vision_attention: str = "auto"
+    """The vision tower's attention: auto (fa4 where it runs, else sdpa), sdpa (torch's fused kernels; cuDNN
+    pads the ViT's head dim 80 to 128) or fa4 (FlashAttention-4, head dim 80 as it is)."""
     kernel_backend: str = "triton"
     """Fused norm / rotary / activation ops: triton (on CUDA tensors) or torch (the reference path)."""
     preprocess_on_gpu: bool = False
@@ -123,8 +127,11 @@ class EngineConfig:
             for group, cap in caps.items():
                 if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
                     raise ConfigError(f"{name}[{group!r}] must be a positive integer, got {cap!r}")
-        if self.attention_backend not in ("auto", "reference", "triton"):
-            raise ConfigError(f"attention_backend must be auto, reference or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "reference", "triton", "fa4"):
+            raise ConfigError("attention_backend must be auto, reference, triton or fa4, "
+                              f"got {self.attention_backend!r}")
+        if self.vision_attention not in ("auto", "sdpa", "fa4"):
+            raise ConfigError(f"vision_attention must be auto, sdpa or fa4, got {self.vision_attention!r}")
         if self.vision_graphs < 0:
             raise ConfigError(f"vision_graphs must be >= 0, got {self.vision_graphs}")
         if self.prefill_graph_max_tokens < 0:
@@ -137,9 +144,21 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if self.attention_backend == "auto":
-            from flashvlm.kernels.dispatch import triton_available
-
-            on_gpu = self.device.startswith("cuda") and triton_available()
-            self.attention_backend = "triton" if on_gpu else "reference"
+        self._resolve_attention()
         return self
+
+    def _resolve_attention(self) -> None:
+        from flashvlm.kernels.dispatch import fa4_unavailable_reason, triton_available
+
+        on_gpu = self.device.startswith("cuda") and triton_available()
+        asks_fa4 = {"auto", "fa4"} & {self.attention_backend, self.vision_attention}
+        fa4_missing = fa4_unavailable_reason(self.device) if asks_fa4 else None
+        for name in ("attention_backend", "vision_attention"):
+            if getattr(self, name) == "fa4" and fa4_missing is not None:
+                raise ConfigError(f"{name}='fa4': {fa4_missing}")
+        if self.attention_backend == "fa4" and not on_gpu:
+            raise ConfigError("attention_backend='fa4' decodes through the Triton kernel: install Triton")
+        if self.attention_backend == "auto":
+            self.attention_backend = ("fa4" if fa4_missing is None else "triton") if on_gpu else "reference"
+        if self.vision_attention == "auto":
+            self.vision_attention = "fa4" if fa4_missing is None else "sdpa"

@@ -29,9 +29,14 @@ OUT = os.environ.get("OUT") or tempfile.mkdtemp()
 RES: dict = {}
 
 
-CONFIGS = {"reference": dict(attention_backend="reference", kernel_backend="torch", enforce_eager=True),
-           "triton-eager": dict(attention_backend="triton", kernel_backend="triton", enforce_eager=True),
-           "triton-graphs": dict(attention_backend="triton", kernel_backend="triton")}
+CONFIGS = {"reference": dict(attention_backend="reference", vision_attention="sdpa", kernel_backend="torch",
+                             enforce_eager=True),
+           "triton-eager": dict(attention_backend="triton", vision_attention="sdpa", kernel_backend="triton",
+                                enforce_eager=True),
+           "triton-graphs": dict(attention_backend="triton", vision_attention="sdpa", kernel_backend="triton")}
+if os.environ.get("PARITY_FA4"):  # FlashAttention-4 for the LM's prefill and the tower (bf16/fp16 only)
+    CONFIGS.update({"fa4-eager": dict(attention_backend="fa4", vision_attention="fa4", enforce_eager=True),
+                    "fa4-graphs": dict(attention_backend="fa4", vision_attention="fa4")})
 
 
 def parity() -> None:
@@ -50,6 +55,8 @@ def parity() -> None:
             path = model or str(build_qwen2_vl(tempfile.mkdtemp(), seed=9, dtype=getattr(torch, dtype)))
             outs, first_logits = {}, {}
             for name, kw in CONFIGS.items():
+                if name.startswith("fa4") and dtype == "float32":
+                    continue
                 llm = LLM(path, device="cuda", dtype=dtype, kv_cache_tokens=16384, max_num_seqs=8, **kw)
                 # Tokens first, without recording logits: graphs then run the greedy decode lookahead too.
                 outs[name] = [o.token_ids for o in llm.generate(prompts, params)]
@@ -60,12 +67,15 @@ def parity() -> None:
                     p = llm.engine.runner.pipeline
                     RES[f"{label}:{dtype}:lookaheads"] = dict(launched=p.num_lookaheads, dropped=p.num_dropped)
                 del llm
-            for name in ("triton-eager", "triton-graphs"):
-                ref = outs["reference"] if name == "triton-eager" else outs["triton-eager"]
+            for name, base in (("triton-eager", "reference"), ("triton-graphs", "triton-eager"),
+                               ("fa4-eager", "reference"), ("fa4-graphs", "fa4-eager")):
+                if name not in outs:
+                    continue
+                ref = outs[base]
                 same = sum(a == b for a, b in zip(ref, outs[name]))
                 agree = float(np.mean([np.mean(np.array(a) == np.array(b)) for a, b in zip(ref, outs[name])]))
                 diff = (first_logits[name] - first_logits["reference"]).abs().max().item()
-                key = f"{label}:{dtype}:{name}_vs_{'reference' if name == 'triton-eager' else 'triton-eager'}"
+                key = f"{label}:{dtype}:{name}_vs_{base}"
                 RES[key] = dict(identical=f"{same}/{len(prompts)}", token_agreement=agree, first_logits_maxdiff=diff)
                 print(key, RES[key], RES.get(f"{label}:{dtype}:lookaheads", ""), flush=True)
 

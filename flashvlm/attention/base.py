@@ -66,4 +66,8 @@ def get_backend(name: str) -> AttentionBackend:
         from flashvlm.attention.triton_backend import TritonBackend
 
         return TritonBackend()
-    raise ValueError(f"unknown attention backend {name!r} (available: reference, triton)")
+    if name == "fa4":
+        from flashvlm.attention.flash_attn4 import FlashAttn4Backend
+
+        return FlashAttn4Backend()
+    raise ValueError(f"unknown attention backend {name!r} (available: reference, triton, fa4)")

@@ -189,7 +189,8 @@ def environment_fingerprint(engine_config: Any = None) -> dict[str, Any]:
         "python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine() or None,
         "cpu_count": os.cpu_count(),
         "versions": {"flashvlm": flashvlm.__version__, "torch": _version("torch"), "triton": _version("triton"),
-                     "transformers": _version("transformers"), "numpy": _version("numpy")},
+                     "transformers": _version("transformers"), "numpy": _version("numpy"),
+                     "flash-attn-4": _version("flash-attn-4")},
         "cuda_available": False, "cuda_version": None, "gpus": [], "driver_version": None,
     }
     try:

@@ -16,7 +16,7 @@ from flashvlm.config import EngineConfig
 from flashvlm.engine.detokenizer import IncrementalDetokenizer
 from flashvlm.engine.scheduler import Scheduler
 from flashvlm.engine.stats import StepRecord
-from flashvlm.kernels.dispatch import set_kernel_backend
+from flashvlm.kernels.dispatch import set_kernel_backend, set_vision_attention
 from flashvlm.layers.linear import GEMV_MAX_ROWS, set_gemv_max_rows
 from flashvlm.models.loader import load_model, read_checkpoint, resolve_dtype
 from flashvlm.processing.input_processor import InputProcessor, ProcessedPrompt
@@ -51,6 +51,7 @@ class Engine:
         self.dtype = resolve_dtype(mc, self.checkpoint.hf_config, config.device)
         self.model = load_model(mc, self.checkpoint, config.device, self.dtype)
         set_kernel_backend(self.model, config.kernel_backend)
+        set_vision_attention(self.model, config.vision_attention)
         set_gemv_max_rows(self.model, GEMV_MAX_ROWS if config.decode_gemv else 0)
         self.load_time = time.perf_counter() - t0
         cache = config.cache

@@ -15,6 +15,7 @@ module is first imported, which only happens on the first kernel call).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 
 import torch
@@ -28,6 +29,33 @@ def triton_available() -> bool:
     except Exception:  # a broken install (missing driver libraries) must degrade to torch, not crash
         return False
     return True
+
+
+_FA4_MAJORS = (9, 10)
+"""Compute capabilities FlashAttention-4's forward kernels serve: Hopper (sm_90) and Blackwell (sm_100)."""
+
+
+def fa4_unavailable_reason(device: str | torch.device) -> str | None:
+    """Why the optional FlashAttention-4 package cannot run on `device`, or None when it can. Never imports it."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "FlashAttention-4 needs a CUDA device"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in _FA4_MAJORS:
+        return f"FlashAttention-4 runs on Hopper or Blackwell GPUs (sm_90/sm_100), not sm_{major}{minor}"
+    try:  # imports the parent package `flash_attn`, which may be another release's, broken or missing
+        found = importlib.util.find_spec("flash_attn.cute") is not None
+    except Exception:
+        found = False
+    return None if found else "FlashAttention-4 is not installed (pip install 'flashvlm[fa4]')"
+
+
+def fa4_takes(q: torch.Tensor) -> bool:
+    """Whether FlashAttention-4's kernels take queries like `q` (tokens, heads, head_dim): CUDA, bf16 or fp16, a
+    head dim that is a multiple of 8 up to 256. Callers fall back to their other kernel otherwise, so a float32
+    model on an engine that chose FA4 still runs."""
+    dim = q.shape[-1]
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and dim % 8 == 0 and 8 <= dim <= 256
 
 
 def interpreter_active() -> bool:
@@ -62,3 +90,10 @@ def set_kernel_backend(model: torch.nn.Module, backend: str) -> None:
     for module in model.modules():
         if hasattr(module, "use_triton_kernels"):
             module.use_triton_kernels = backend == "triton"
+
+
+def set_vision_attention(model: torch.nn.Module, impl: str) -> None:
+    """Set the attention of every vision-tower layer of `model` that has a choice: "sdpa" or "fa4"."""
+    for module in model.modules():
+        if hasattr(module, "attention_impl"):
+            module.attention_impl = impl

@@ -3,7 +3,8 @@
 Segments of equal length (Qwen2.5-VL's windows, same-size images) form one dense batch with no mask, which
 lets SDPA use its flash kernel; each group of lengths is one SDPA call. The gather/scatter indices depend only
 on the host-side segment boundaries, so they are built once with numpy and cached: a vision tower calls this
-with the same boundaries in every block, and no call syncs the device.
+with the same boundaries in every block, and no call syncs the device. With impl="fa4" (engine option
+`vision_attention`), FlashAttention-4's varlen kernel takes the packed tokens and the boundaries as they are.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from flashvlm.kernels.dispatch import fa4_takes
 
 
 @functools.lru_cache(maxsize=64)
@@ -34,6 +37,13 @@ def _device_groups(cu_seqlens: tuple[int, ...], device: torch.device) -> tuple[t
     return tuple((length, torch.from_numpy(idx).to(device, non_blocking=True)) for length, idx in _groups(cu_seqlens))
 
 
+@functools.lru_cache(maxsize=64)
+def _device_boundaries(cu_seqlens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, int]:
+    """(boundaries as int32 on the device, longest segment) for FlashAttention-4's varlen call."""
+    longest = max((b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])), default=0)
+    return torch.tensor(cu_seqlens, dtype=torch.int32).to(device, non_blocking=True), longest
+
+
 _recorders: list[list] = []
 
 
@@ -51,9 +61,21 @@ def keep_index_tensors() -> Iterator[list]:
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
-                     scale: float | None = None) -> torch.Tensor:
-    """q, k, v: (tokens, heads, dim); cu_seqlens: host list of segment boundaries -> (tokens, heads, dim)."""
-    groups = _device_groups(tuple(int(c) for c in cu_seqlens), q.device)
+                     scale: float | None = None, impl: str = "sdpa") -> torch.Tensor:
+    """q, k, v: (tokens, heads, dim); cu_seqlens: host list of segment boundaries -> (tokens, heads, dim).
+    impl: "sdpa" (torch's fused kernels) or "fa4" (FlashAttention-4's varlen kernel on CUDA tensors: no
+    padding of the head dim, no gather for segments of mixed lengths)."""
+    bounds = tuple(int(c) for c in cu_seqlens)
+    # FA4 where it takes the inputs (CUDA, bf16/fp16, its head dims); otherwise torch's kernels, as for "sdpa".
+    if impl == "fa4" and fa4_takes(q) and bounds and bounds[0] == 0 and bounds[-1] == q.shape[0]:
+        from flashvlm.attention.flash_attn4 import varlen_self_attention
+
+        boundaries = _device_boundaries(bounds, q.device)
+        for used in _recorders:
+            if not used or used[-1] is not boundaries:
+                used.append(boundaries)
+        return varlen_self_attention(q, k, v, boundaries[0], boundaries[1], scale)
+    groups = _device_groups(bounds, q.device)
     for used in _recorders:
         if not used or used[-1] is not groups:  # every block of a tower passes the same groups
             used.append(groups)

@@ -236,3 +236,19 @@ def test_triton_backend_matches_reference(device: str, q_lens: list[int], ctx_le
     torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)
     out = backend.forward(q, cache, meta, head_dim**-0.5)
     assert_close(out, ref_backend.forward(q, ref_cache, meta, head_dim**-0.5), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fa4_backend_keeps_our_kernel_where_fa4_does_not_take_the_inputs(device: str) -> None:
+    """float32 (and CPU) inputs never reach FlashAttention-4: the fa4 backend gives the Triton backend's answer,
+    for a mixed prefill/decode step and a pure-decode one."""
+    from flashvlm.attention.flash_attn4 import FlashAttn4Backend
+
+    gen = torch.Generator().manual_seed(3)
+    for q_lens, ctx_lens in (([12, 1, 30], [0, 40, 5]), ([1, 1], [17, 3])):
+        seq_lens = [a + b for a, b in zip(q_lens, ctx_lens)]
+        cache = make_cache(20, 2, 64, torch.float32, device, gen)
+        meta = _meta(q_lens, ctx_lens, make_block_tables(seq_lens, 20, gen, device), device)
+        q = torch.randn(sum(q_lens), 8, 64, generator=gen).to(device)
+        expected = TritonBackend().forward(q, cache, meta, 0.125)
+        torch.testing.assert_close(FlashAttn4Backend().forward(q, cache, meta, 0.125), expected, rtol=0, atol=0)

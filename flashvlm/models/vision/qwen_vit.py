@@ -106,6 +106,8 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.use_triton_kernels = True
         """Fused rotary kernel on CUDA tensors; the engine sets it from EngineConfig.kernel_backend."""
+        self.attention_impl = "sdpa"
+        """varlen_attention's impl: "sdpa" or "fa4"; the engine sets it from EngineConfig.vision_attention."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cu_seqlens: list[int]) -> torch.Tensor:
@@ -117,7 +119,7 @@ class VisionAttention(nn.Module):
         q, k, v = qkv.view(n, 3, self.num_heads, self.head_dim).unbind(1)
         if not fused:
             q, k = apply_vision_rotary(q, cos, sin), apply_vision_rotary(k, cos, sin)
-        return self.proj(varlen_attention(q, k, v, cu_seqlens).reshape(n, -1))
+        return self.proj(varlen_attention(q, k, v, cu_seqlens, impl=self.attention_impl).reshape(n, -1))
 
 
 class Qwen2VisionMLP(nn.Module):

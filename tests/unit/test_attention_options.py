@@ -1,0 +1,99 @@
+"""How EngineConfig resolves attention_backend and vision_attention: "auto" takes FlashAttention-4 only where it
+runs, an explicit "fa4" that cannot run is a ConfigError naming why, and the engine hands the vision choice to
+every layer of the tower."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashvlm.config import ConfigError, EngineConfig, ModelConfig
+from flashvlm.kernels import dispatch
+
+
+def _config(**kw) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(model="unused"), **kw)
+
+
+def test_auto_on_cpu_takes_no_fa4() -> None:
+    cfg = _config(device="cpu").validate()
+    assert (cfg.attention_backend, cfg.vision_attention) == ("reference", "sdpa")
+
+
+@pytest.mark.parametrize("field", ["attention_backend", "vision_attention"])
+def test_explicit_fa4_where_it_cannot_run_names_the_reason(field: str) -> None:
+    with pytest.raises(ConfigError, match=f"{field}='fa4': FlashAttention-4 needs a CUDA device"):
+        _config(device="cpu", **{field: "fa4"}).validate()
+
+
+@pytest.mark.parametrize("field,value", [("attention_backend", "flash"), ("vision_attention", "triton")])
+def test_unknown_choices_are_refused(field: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        _config(device="cpu", **{field: value}).validate()
+
+
+def test_auto_takes_fa4_where_it_runs(monkeypatch) -> None:
+    """A CUDA device that FA4 serves: auto picks it for both; explicit choices stay as they are."""
+    monkeypatch.setattr(dispatch, "fa4_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    cfg = _config(device="cuda").validate()
+    assert (cfg.attention_backend, cfg.vision_attention) == ("fa4", "fa4")
+    cfg = _config(device="cuda", attention_backend="triton", vision_attention="sdpa").validate()
+    assert (cfg.attention_backend, cfg.vision_attention) == ("triton", "sdpa")
+
+
+def test_auto_falls_back_where_fa4_is_missing(monkeypatch) -> None:
+    monkeypatch.setattr(dispatch, "fa4_unavailable_reason", lambda device: "not installed")
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    cfg = _config(device="cuda").validate()
+    assert (cfg.attention_backend, cfg.vision_attention) == ("triton", "sdpa")
+
+
+def test_unavailable_reason_on_this_machine() -> None:
+    reason = dispatch.fa4_unavailable_reason("cpu")
+    assert reason == "FlashAttention-4 needs a CUDA device"
+    if not torch.cuda.is_available():
+        assert dispatch.fa4_unavailable_reason("cuda") == reason
+
+
+def test_set_vision_attention_reaches_every_tower_layer() -> None:
+    from flashvlm.models.vision.qwen_vit import VisionAttention
+
+    model = torch.nn.Sequential(VisionAttention(32, 4), torch.nn.Linear(2, 2), VisionAttention(32, 2))
+    dispatch.set_vision_attention(model, "fa4")
+    assert [m.attention_impl for m in model if isinstance(m, VisionAttention)] == ["fa4", "fa4"]
+
+
+@pytest.mark.parametrize("dtype,dim,takes", [(torch.bfloat16, 80, True), (torch.float16, 128, True),
+                                             (torch.float32, 64, False), (torch.bfloat16, 12, False),
+                                             (torch.bfloat16, 512, False)])
+def test_fa4_takes_only_what_its_kernels_serve(monkeypatch, dtype: torch.dtype, dim: int, takes: bool) -> None:
+    q = torch.zeros(3, 2, dim, dtype=dtype)
+    assert not dispatch.fa4_takes(q)  # a CPU tensor never
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert dispatch.fa4_takes(q) is takes
+
+
+def test_vision_fa4_on_tensors_it_does_not_take_is_sdpa() -> None:
+    """impl="fa4" on CPU or float32 tensors runs torch's kernels: the same answer as impl="sdpa"."""
+    from flashvlm.layers.vision_attention import varlen_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 40, 2, 16, generator=gen).unbind(0)
+    cu = [0, 7, 7, 40]
+    torch.testing.assert_close(varlen_attention(q, k, v, cu, impl="fa4"), varlen_attention(q, k, v, cu, impl="sdpa"),
+                               rtol=0, atol=0)
+
+
+def test_a_broken_flash_attn_package_reads_as_not_installed(monkeypatch) -> None:
+    """find_spec imports the parent package; another release's flash_attn that fails to import must not stop
+    the engine from starting (auto then falls back)."""
+    import importlib.util
+
+    def broken(name: str):
+        raise ImportError("libcudart.so.11: cannot open shared object file")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(importlib.util, "find_spec", broken)
+    assert dispatch.fa4_unavailable_reason("cuda") == "FlashAttention-4 is not installed (pip install 'flashvlm[fa4]')"
