@@ -38,9 +38,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "triton", "fa4"],
                    help="the LM's paged attention: auto = fa4 where it runs, else Triton kernels on CUDA, plain "
                         "torch (reference) on CPU; fa4 = prefill through FlashAttention-4 (pip install "
-                        "'flashvlm[fa4]', Hopper/Blackwell), decode through our Triton kernel")
+                        "'flashvlm[fa4]', Hopper GPUs), decode through our Triton kernel")
     g.add_argument("--vision-attention", default="auto", choices=["auto", "sdpa", "fa4"],
-                   help="the vision tower's attention: auto = fa4 where it runs, else sdpa (torch's fused kernels)")
+                   help="the Qwen2-VL/Qwen2.5-VL vision tower's attention: auto = fa4 where it runs (not with "
+                        "--attention-backend reference), else sdpa (torch's fused kernels); LLaVA's CLIP tower "
+                        "always uses sdpa")
     g.add_argument("--kernel-backend", default="triton", choices=["triton", "torch"],
                    help="fused norm/rotary/activation ops: Triton on CUDA tensors, or the torch reference")
     g.add_argument("--preprocess-on-gpu", action="store_true",

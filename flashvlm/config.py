@@ -75,10 +75,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     """auto (fa4 where it runs, else triton on CUDA when Triton imports, else reference), reference (plain torch,
     any device), triton (paged Triton kernels; CUDA, or CPU under TRITON_INTERPRET=1) or fa4 (prefill through
-    the optional FlashAttention-4 package on Hopper/Blackwell, decode through our Triton kernel)."""
+    the optional FlashAttention-4 package on Hopper, decode through our Triton kernel; bf16/fp16 models)."""
     vision_attention: str = "auto"
-    """The vision tower's attention: auto (fa4 where it runs, else sdpa), sdpa (torch's fused kernels; cuDNN
-    pads the ViT's head dim 80 to 128) or fa4 (FlashAttention-4, head dim 80 as it is)."""
+    """The Qwen vision towers' attention: auto (fa4 where it runs, unless attention_backend is reference, else
+    sdpa), sdpa (torch's fused kernels; cuDNN pads the ViT's head dim 80 to 128) or fa4 (FlashAttention-4, head
+    dim 80 as it is). LLaVA's CLIP tower always uses SDPA."""
     kernel_backend: str = "triton"
     """Fused norm / rotary / activation ops: triton (on CUDA tensors) or torch (the reference path)."""
     preprocess_on_gpu: bool = False
@@ -160,5 +161,22 @@ class EngineConfig:
             raise ConfigError("attention_backend='fa4' decodes through the Triton kernel: install Triton")
         if self.attention_backend == "auto":
             self.attention_backend = ("fa4" if fa4_missing is None else "triton") if on_gpu else "reference"
-        if self.vision_attention == "auto":
-            self.vision_attention = "fa4" if fa4_missing is None else "sdpa"
+        if self.vision_attention == "auto":  # the reference backend means plain torch everywhere
+            usable = fa4_missing is None and self.attention_backend != "reference"
+            self.vision_attention = "fa4" if usable else "sdpa"
+
+    def fit_attention_to_dtype(self, dtype: Any) -> list[str]:
+        """FA4 takes bf16/fp16 only: for another model dtype (float32), the LM's prefill goes to the Triton kernel
+        and the tower to SDPA, and the config says so. Returns what changed, for the log."""
+        import torch
+
+        if dtype in (torch.bfloat16, torch.float16):
+            return []
+        changed = []
+        if self.attention_backend == "fa4":
+            self.attention_backend = "triton"
+            changed.append("attention_backend fa4 -> triton")
+        if self.vision_attention == "fa4":
+            self.vision_attention = "sdpa"
+            changed.append("vision_attention fa4 -> sdpa")
+        return changed

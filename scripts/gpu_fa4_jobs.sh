@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 7's GPU jobs for FlashAttention-4 (flash-attn-4 importable, a Hopper/Blackwell GPU; results to $OUT).
+# Session 7's GPU jobs for FlashAttention-4 (flash-attn-4 importable, a Hopper GPU; results to $OUT).
+# On the lent device, install it first as scripts/fa4_bundle.sh says.
 #   JOB=check       FA4 tests, the kernel table (scripts/gpu_fa4.py), greedy parity with PARITY_FA4=1
 #   JOB=latency     1008x756 (20 requests, transformers baseline) and 1344x1344 (8 requests): sdpa+triton vs fa4
 #   JOB=throughput  512 requests offline at the default flags (fa4 by auto), then with --attention-backend triton

@@ -6,7 +6,7 @@ over our paged cache in 88 us where our Triton kernel takes 161 (one prompt of 2
 split-K kernel: its graphs and split counts are tuned for one token per sequence.
 
 Optional: nothing imports the package until a forward pass needs it; `kernels.dispatch.fa4_unavailable_reason`
-says why it cannot run here (not installed, no CUDA device, a GPU other than Hopper or Blackwell).
+says why it cannot run here (not installed or not importable, no CUDA device, a GPU other than Hopper).
 """
 
 from __future__ import annotations

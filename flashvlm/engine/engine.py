@@ -51,6 +51,8 @@ class Engine:
         self.dtype = resolve_dtype(mc, self.checkpoint.hf_config, config.device)
         self.model = load_model(mc, self.checkpoint, config.device, self.dtype)
         set_kernel_backend(self.model, config.kernel_backend)
+        for change in config.fit_attention_to_dtype(self.dtype):
+            logger.info("%s: FlashAttention-4 takes bf16/fp16, the model runs in %s", change, self.dtype)
         set_vision_attention(self.model, config.vision_attention)
         set_gemv_max_rows(self.model, GEMV_MAX_ROWS if config.decode_gemv else 0)
         self.load_time = time.perf_counter() - t0

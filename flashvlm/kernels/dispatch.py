@@ -31,29 +31,47 @@ def triton_available() -> bool:
     return True
 
 
-_FA4_MAJORS = (9, 10)
-"""Compute capabilities FlashAttention-4's forward kernels serve: Hopper (sm_90) and Blackwell (sm_100)."""
+_FA4_MAJORS = (9,)
+"""Compute capabilities we run FlashAttention-4 on: Hopper (sm_90), where it was measured and tested. Its
+Blackwell kernels take other head dims and have not run here."""
+
+
+@functools.cache
+def _fa4_import_error() -> str | None:
+    """None when FA4's interface imports (its CuTe DSL compiler, cutlass-dsl for this CUDA, included); else why
+    not. Tried once per process: a package that finds its module but fails to import reads as missing."""
+    try:
+        import flash_attn.cute.interface  # noqa: F401
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def fa4_unavailable_reason(device: str | torch.device) -> str | None:
-    """Why the optional FlashAttention-4 package cannot run on `device`, or None when it can. Never imports it."""
+    """Why the optional FlashAttention-4 package cannot run on `device`, or None when it can."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return "FlashAttention-4 needs a CUDA device"
-    major, minor = torch.cuda.get_device_capability(device)
+    try:
+        major, minor = torch.cuda.get_device_capability(device)
+    except Exception as exc:  # e.g. cuda:N past the last GPU: the engine reports the device itself later
+        return f"cannot read the capability of {device}: {exc}"
     if major not in _FA4_MAJORS:
-        return f"FlashAttention-4 runs on Hopper or Blackwell GPUs (sm_90/sm_100), not sm_{major}{minor}"
+        return f"FlashAttention-4 runs here on Hopper GPUs (sm_90) only, not sm_{major}{minor}"
     try:  # imports the parent package `flash_attn`, which may be another release's, broken or missing
         found = importlib.util.find_spec("flash_attn.cute") is not None
     except Exception:
         found = False
-    return None if found else "FlashAttention-4 is not installed (pip install 'flashvlm[fa4]')"
+    if not found:
+        return "FlashAttention-4 is not installed (pip install 'flashvlm[fa4]')"
+    error = _fa4_import_error()
+    return None if error is None else f"FlashAttention-4 is installed but does not import ({error})"
 
 
 def fa4_takes(q: torch.Tensor) -> bool:
-    """Whether FlashAttention-4's kernels take queries like `q` (tokens, heads, head_dim): CUDA, bf16 or fp16, a
-    head dim that is a multiple of 8 up to 256. Callers fall back to their other kernel otherwise, so a float32
-    model on an engine that chose FA4 still runs."""
+    """Whether FlashAttention-4's Hopper kernels take queries like `q` (tokens, heads, head_dim): CUDA, bf16 or
+    fp16, a head dim that is a multiple of 8 up to 256. Callers fall back to their other kernel otherwise, so a
+    float32 model on an engine that chose FA4 still runs."""
     dim = q.shape[-1]
     return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and dim % 8 == 0 and 8 <= dim <= 256
 

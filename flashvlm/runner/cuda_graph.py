@@ -3,8 +3,8 @@ inputs into fixed buffers.
 
 A decode step of B sequences runs the graph of the smallest captured size >= B. Padding rows get
 slot -1 (the KV write skips them) and seq_len 0 (decode attention returns zeros for them), so they never
-touch real cache blocks. The graphs share one memory pool. Only the Triton attention backend is
-capturable: the reference backend loops on the host.
+touch real cache blocks. The graphs share one memory pool. Only the Triton and FA4 attention backends are
+capturable (both decode through the Triton kernel): the reference backend loops on the host.
 
 The graphs' inputs live in two device buffers (int64: token ids, positions, slots; int32: sequence lengths,
 block tables) with pinned host mirrors: a step writes its DecodeBatch into a mirror and sends it with one copy

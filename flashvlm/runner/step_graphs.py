@@ -79,8 +79,8 @@ class StepGraphs(GraphSet):
 
     def _forward(self, key: tuple[int, int]) -> torch.Tensor:
         tokens, seqs = key
-        # Host fields describe the bucket only: the Triton prefill kernel reads device tensors, and its tiling
-        # follows max_query_len, which is the bucket's token count (an upper bound on any real chunk).
+        # Host fields describe the bucket only: the prefill kernels (Triton's, FA4's) read device tensors and take
+        # max_query_len and max_seq_len as bounds, here the bucket's token count and max_model_len.
         meta = AttentionMetadata(
             query_start_loc=self.query_start_loc[: seqs + 1], seq_lens=self.seq_lens[:seqs],
             block_tables=self.block_tables[:seqs], slot_mapping=self.slot_mapping[:tokens],

@@ -93,7 +93,64 @@ def test_a_broken_flash_attn_package_reads_as_not_installed(monkeypatch) -> None
     def broken(name: str):
         raise ImportError("libcudart.so.11: cannot open shared object file")
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    _hopper(monkeypatch)
     monkeypatch.setattr(importlib.util, "find_spec", broken)
     assert dispatch.fa4_unavailable_reason("cuda") == "FlashAttention-4 is not installed (pip install 'flashvlm[fa4]')"
+
+
+def _hopper(monkeypatch, capability: tuple[int, int] = (9, 0)) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
+def test_found_but_not_importable_reads_as_unavailable(monkeypatch) -> None:
+    """flash_attn is a namespace package: its module can be found while its compiler stack (cutlass-dsl for
+    another CUDA, say) fails to import. That must read as unavailable, with the error, so auto falls back."""
+    import importlib.util
+
+    _hopper(monkeypatch)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(dispatch, "_fa4_import_error", lambda: "ModuleNotFoundError: No module named 'cutlass'")
+    reason = dispatch.fa4_unavailable_reason("cuda")
+    assert reason == ("FlashAttention-4 is installed but does not import "
+                      "(ModuleNotFoundError: No module named 'cutlass')")
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    cfg = _config(device="cuda").validate()
+    assert (cfg.attention_backend, cfg.vision_attention) == ("triton", "sdpa")
+
+
+def test_only_hopper_and_a_readable_device(monkeypatch) -> None:
+    _hopper(monkeypatch, (10, 0))
+    assert "sm_90" in dispatch.fa4_unavailable_reason("cuda") and "sm_100" in dispatch.fa4_unavailable_reason("cuda")
+
+    def no_such_device(device=None):
+        raise AssertionError("Invalid device id")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", no_such_device)
+    assert dispatch.fa4_unavailable_reason("cuda:7").startswith("cannot read the capability of cuda:7")
+
+
+def test_reference_backend_keeps_the_tower_on_sdpa(monkeypatch) -> None:
+    monkeypatch.setattr(dispatch, "fa4_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    cfg = _config(device="cuda", attention_backend="reference").validate()
+    assert (cfg.attention_backend, cfg.vision_attention) == ("reference", "sdpa")
+
+
+def test_fa4_needs_triton_for_decode(monkeypatch) -> None:
+    monkeypatch.setattr(dispatch, "fa4_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(dispatch, "triton_available", lambda: False)
+    with pytest.raises(ConfigError, match="install Triton"):
+        _config(device="cuda", attention_backend="fa4").validate()
+
+
+def test_float32_models_leave_fa4(monkeypatch) -> None:
+    """The model's dtype is known only once the checkpoint is read: the engine then moves a float32 model off
+    FA4 (which takes bf16/fp16) so the config and the benchmark fingerprint say what runs."""
+    monkeypatch.setattr(dispatch, "fa4_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    cfg = _config(device="cuda").validate()
+    assert cfg.fit_attention_to_dtype(torch.bfloat16) == [] and cfg.attention_backend == "fa4"
+    assert cfg.fit_attention_to_dtype(torch.float32) == ["attention_backend fa4 -> triton",
+                                                          "vision_attention fa4 -> sdpa"]
+    assert (cfg.attention_backend, cfg.vision_attention) == ("triton", "sdpa")
