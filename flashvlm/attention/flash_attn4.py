@@ -5,8 +5,9 @@ to 128 (774-795 against 1,058-1,069 us for one 1344x1344 image's 9,216 patches),
 over our paged cache in 88 us where our Triton kernel takes 161 (one prompt of 2,370 tokens). Decode keeps our
 split-K kernel: its graphs and split counts are tuned for one token per sequence.
 
-Optional: nothing imports the package until a forward pass needs it; `kernels.dispatch.fa4_unavailable_reason`
-says why it cannot run here (not installed or not importable, no CUDA device, a GPU other than Hopper).
+Optional: only on a Hopper GPU does anything import the package, once, when the engine's config asks
+`kernels.dispatch.fa4_unavailable_reason` whether it runs (not installed or not importable, no CUDA device, a
+GPU other than Hopper: the reason says which).
 """
 
 from __future__ import annotations
