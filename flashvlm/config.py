@@ -168,9 +168,9 @@ class EngineConfig:
     def fit_attention_to_dtype(self, dtype: Any) -> list[str]:
         """FA4 takes bf16/fp16 only: for another model dtype (float32), the LM's prefill goes to the Triton kernel
         and the tower to SDPA, and the config says so. Returns what changed, for the log."""
-        import torch
+        from flashvlm.kernels.dispatch import FA4_DTYPES
 
-        if dtype in (torch.bfloat16, torch.float16):
+        if dtype in FA4_DTYPES:
             return []
         changed = []
         if self.attention_backend == "fa4":

@@ -43,6 +43,8 @@ class AttentionBackend(ABC):
     """Owns how attention reads the paged cache; one instance per engine."""
 
     name: str = "base"
+    graph_capturable: bool = False
+    """Whether a step through it can be captured in a CUDA graph (no host loops or syncs in forward)."""
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         """kv_cache: (2, num_blocks, block_size, kv_heads, head_dim); k, v: (N, kv_heads, head_dim)."""

@@ -25,6 +25,7 @@ except Exception as exc:  # triton missing or broken: fail when the backend is b
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    graph_capturable = True
 
     def __init__(self, max_seq_len_bound: int | None = None, max_splits: int = 64) -> None:
         """max_seq_len_bound: when set (e.g. max_model_len for CUDA-graph capture), the decode split count

@@ -31,6 +31,8 @@ def triton_available() -> bool:
     return True
 
 
+FA4_DTYPES = (torch.bfloat16, torch.float16)
+"""The dtypes FlashAttention-4's kernels take."""
 _FA4_MAJORS = (9,)
 """Compute capabilities we run FlashAttention-4 on: Hopper (sm_90), where it was measured and tested. Its
 Blackwell kernels take other head dims and have not run here."""
@@ -73,7 +75,7 @@ def fa4_takes(q: torch.Tensor) -> bool:
     fp16, a head dim that is a multiple of 8 up to 256. Callers fall back to their other kernel otherwise, so a
     float32 model on an engine that chose FA4 still runs."""
     dim = q.shape[-1]
-    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and dim % 8 == 0 and 8 <= dim <= 256
+    return q.is_cuda and q.dtype in FA4_DTYPES and dim % 8 == 0 and 8 <= dim <= 256
 
 
 def interpreter_active() -> bool:

@@ -60,6 +60,14 @@ def keep_index_tensors() -> Iterator[list]:
         _recorders.remove(used)
 
 
+def _keep_for_graphs(tensors: tuple) -> tuple:
+    """Hand the device tensors a call reads to every open keep_index_tensors() block; returns them."""
+    for used in _recorders:
+        if not used or used[-1] is not tensors:  # every block of a tower passes the same ones
+            used.append(tensors)
+    return tensors
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
                      scale: float | None = None, impl: str = "sdpa") -> torch.Tensor:
     """q, k, v: (tokens, heads, dim); cu_seqlens: host list of segment boundaries -> (tokens, heads, dim).
@@ -70,15 +78,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if impl == "fa4" and fa4_takes(q) and bounds and bounds[0] == 0 and bounds[-1] == q.shape[0]:
         from flashvlm.attention.flash_attn4 import varlen_self_attention
 
-        boundaries = _device_boundaries(bounds, q.device)
-        for used in _recorders:
-            if not used or used[-1] is not boundaries:
-                used.append(boundaries)
+        boundaries = _keep_for_graphs(_device_boundaries(bounds, q.device))
         return varlen_self_attention(q, k, v, boundaries[0], boundaries[1], scale)
-    groups = _device_groups(bounds, q.device)
-    for used in _recorders:
-        if not used or used[-1] is not groups:  # every block of a tower passes the same groups
-            used.append(groups)
+    groups = _keep_for_graphs(_device_groups(bounds, q.device))
     if len(groups) == 1 and groups[0][1].numel() == q.shape[0] and cu_seqlens[0] == 0:
         # Equal segments covering every token in order (one image, same-size images, empty segments aside):
         # a view as (segments, heads, len, dim), no gather and no scatter (8 ms of a 320 ms step on the H200

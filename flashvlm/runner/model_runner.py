@@ -84,10 +84,9 @@ class ModelRunner:
         self.dtype = dtype
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
-        self.use_cuda_graphs = (not config.enforce_eager and self.device.type == "cuda"
-                                and config.attention_backend in ("triton", "fa4"))
         self.backend = get_backend(config.attention_backend)
-        if config.attention_backend in ("triton", "fa4"):
+        self.use_cuda_graphs = not config.enforce_eager and self.device.type == "cuda" and self.backend.graph_capturable
+        if self.backend.graph_capturable:
             # Decode split counts follow the batch shape only, never the step's lengths: graphs need that, and
             # eager steps use the same splits so both paths reduce in the same order (identical bf16 results).
             self.backend.max_seq_len_bound = config.scheduler.max_model_len
