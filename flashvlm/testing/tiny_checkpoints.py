@@ -110,11 +110,12 @@ def qwen_preprocessor_config(min_pixels: int, max_pixels: int, qwen25: bool = Fa
 
 
 def build_qwen2_vl(path: str | Path, *, qwen25: bool = False, seed: int = 0, hidden: int = 64,
-                   layers: int = 2, vision_depth: int = 2, tie_word_embeddings: bool = False,
+                   layers: int = 2, vision_depth: int = 2, vision_width: int = 32, tie_word_embeddings: bool = False,
                    legacy_layout: bool | None = None, shard_size: str | None = None,
                    min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 64,
                    dtype: torch.dtype = torch.float32) -> Path:
-    """A tiny Qwen2-VL (or Qwen2.5-VL) checkpoint with seeded random weights."""
+    """A tiny Qwen2-VL (or Qwen2.5-VL) checkpoint with seeded random weights. The tower has 2 heads of
+    vision_width / 2 (160 gives the real towers' head dim of 80)."""
     from transformers import (
         GenerationConfig,
         Qwen2_5_VLConfig,
@@ -134,12 +135,12 @@ def build_qwen2_vl(path: str | Path, *, qwen25: bool = False, seed: int = 0, hid
                                  "mrope_section": _mrope_section(hidden // heads)},
                 bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
     if qwen25:
-        vision = dict(depth=vision_depth * 2, hidden_size=32, intermediate_size=64, num_heads=2,
+        vision = dict(depth=vision_depth * 2, hidden_size=vision_width, intermediate_size=2 * vision_width, num_heads=2,
                       out_hidden_size=hidden, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
                       window_size=56, fullatt_block_indexes=[1, 3][: max(1, vision_depth)], hidden_act="silu")
         cfg_cls, model_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     else:
-        vision = dict(depth=vision_depth, embed_dim=32, hidden_size=hidden, num_heads=2, mlp_ratio=2,
+        vision = dict(depth=vision_depth, embed_dim=vision_width, hidden_size=hidden, num_heads=2, mlp_ratio=2,
                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
         cfg_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
     cfg = cfg_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],

@@ -150,6 +150,51 @@ def test_vision_varlen_matches_sdpa(fa4_calls: list[int], dtype: torch.dtype, cu
     torch.testing.assert_close(out.float(), ref, rtol=TOL[dtype], atol=TOL[dtype])
 
 
+def test_qwen25_window_tower_matches_float32(fa4_calls: list[int], tmp_path) -> None:
+    """Qwen2.5-VL's tower at head dim 80: window layers (with partial windows at the images' right and bottom
+    edges) and full layers, each one FA4 varlen call, as close to the float32 SDPA tower as the bf16 SDPA tower
+    is; then the engine's tokens with CUDA graphs (the LM's steps, FA4 prefill inside) equal its eager tokens."""
+    import copy
+
+    from flashvlm import LLM, SamplingParams
+    from flashvlm.kernels.dispatch import set_vision_attention
+    from flashvlm.testing.tiny_checkpoints import build_qwen2_vl
+
+    build_qwen2_vl(tmp_path, qwen25=True, seed=5, vision_width=160)
+    kw = dict(device="cuda", dtype="bfloat16", kv_cache_tokens=4096, max_num_seqs=4, vision_attention="fa4")
+    llm = LLM(str(tmp_path), enforce_eager=True, **kw)
+    tower = llm.engine.model.visual
+    assert tower.blocks[0].attn.head_dim == 80 and tower.window < 7
+    grids = [(1, 10, 14), (1, 6, 4)]  # merged 5x7 and 3x2 against windows of 2x2: partial windows
+    gen = torch.Generator().manual_seed(11)
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), tower.in_features, generator=gen).cuda()
+    with torch.inference_mode():
+        reference = copy.deepcopy(tower).float()
+        set_vision_attention(reference, "sdpa")
+        expected = reference(pixels, grids)
+        fa4 = tower(pixels, grids).float()
+        assert len(fa4_calls) == len(tower.blocks)
+        set_vision_attention(tower, "sdpa")
+        sdpa = tower(pixels, grids).float()
+    fa4_err, sdpa_err = (fa4 - expected).abs().max().item(), (sdpa - expected).abs().max().item()
+    assert fa4_err <= 3 * sdpa_err + 1e-3 * expected.abs().max().item(), (fa4_err, sdpa_err)
+    del llm
+
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt": f"<|vision_start|><|image_pad|><|vision_end|>picture {k}",
+                "images": [rng.integers(0, 256, (140, 196, 3), dtype=np.uint8)]} for k in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = {}
+    for name, eager in (("eager", True), ("graphs", False)):
+        llm = LLM(str(tmp_path), enforce_eager=eager, **kw)
+        fa4_calls.clear()
+        outs[name] = [llm.generate(p, params)[0].token_ids for p in prompts]  # one at a time: same shape
+        assert fa4_calls
+        assert llm.engine.runner.vision_graphs is None  # Qwen2.5's tower always runs eagerly (not graphable)
+        del llm
+    assert outs["graphs"] == outs["eager"]
+
+
 def test_engine_tokens_match_the_reference_backend(fa4_calls: list[int]) -> None:
     """The trained demo model in bf16 (confident logits, few near-ties): FA4 for the LM's prefill and the vision
     tower, eager and with graphs (a repeated picture shape, so the tower's graph is captured and replayed), gives
