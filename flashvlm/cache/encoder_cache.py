@@ -120,6 +120,20 @@ class EncoderCacheManager:
             unreferenced += self.release(request_id, mm_hash)
         return unreferenced
 
+    def discard(self, mm_hash: str) -> None:
+        """Forget an entry whose embedding was never made (its encode failed), with every reference to it: a
+        request that still needs the image encodes it again."""
+        entry = self._entries.pop(mm_hash, None)
+        if entry is None:
+            return
+        self._num_tokens -= entry.num_tokens
+        self._freeable.pop(mm_hash, None)
+        for request_id in entry.users:
+            hashes = self._by_request[request_id]
+            hashes.discard(mm_hash)
+            if not hashes:
+                del self._by_request[request_id]
+
     def pop_freeable(self) -> list[str]:
         """Evict and return the embeddings the runner should drop now: least-recently-released
         unreferenced entries, until the held tokens fit the budget (or no unreferenced entry is left:

@@ -162,7 +162,11 @@ class Engine:
             self.runner.release(out)
             sampled, timings = {}, StepTimings()
         else:
-            sampled, timings = self.runner.execute(out), self.runner.last_timings
+            try:
+                sampled, timings = self.runner.execute(out), self.runner.last_timings
+            except BaseException:
+                self._forget_unmade_embeddings()
+                raise
         if timings.num_images:
             by_id = {s.request.request_id: s.request for s in out.scheduled}
             for rid in out.encoder_inputs:
@@ -197,6 +201,14 @@ class Engine:
                 num_decode_tokens=decode, num_images=timings.num_images,
                 host_s=time.perf_counter() - t0, vision_s=timings.vision_s, forward_s=timings.forward_s))
         return outputs
+
+    def _forget_unmade_embeddings(self) -> None:
+        """After a failed step: the scheduler registered this step's images as held before the runner encoded
+        them. Entries whose embedding the runner does not hold are dropped, so the next request with the same
+        image encodes it instead of finding nothing to splice (the step's requests are aborted by the caller)."""
+        enc = self.scheduler.encoder_cache
+        for mm_hash in enc.held_hashes() - self.runner.encoder_outputs.keys():
+            enc.discard(mm_hash)
 
     def stats(self) -> dict[str, Any]:
         """Engine-wide state and cumulative cache counters (the server exports them as Prometheus metrics).
@@ -248,6 +260,10 @@ class Engine:
         t0 = time.perf_counter()
         tracked.detokenizer.flush()
         req = tracked.request
+        stop = tracked.detokenizer.stopped_by
+        if stop is not None and req.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_ABORTED):
+            # Found only now: the last token ended mid-character, so its text was held back until the flush.
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         req.detokenize_s += time.perf_counter() - t0
         self._tracked.pop(req.request_id, None)
         self.runner.forget_request(req.request_id)

@@ -34,13 +34,13 @@ OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _BICUBIC = int(Image.Resampling.BICUBIC)
 _MAX_ASPECT_RATIO = 200
+_MAX_PAD_CANVAS_PIXELS = 8192 * 8192
+"""LLaVA's pad-to-square canvas (3 bytes a pixel) before it shrinks to 336x336: 200 MB at most."""
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen's target (height, width): multiples of ``factor``, area within [min, max], aspect kept.
-
-    Same arithmetic as HF, including Python's round-half-to-even in the first rounding.
-    """
+def check_image_shape(height: int, width: int) -> None:
+    """Refuse shapes no processor should resize: empty ones, and sliver images whose resize (a shortest-edge
+    rule stretches the long side by the same factor) or pad-to-square would take gigabytes."""
     if height <= 0 or width <= 0:
         raise InvalidRequestError(f"zero-size image: {width}x{height} (width x height)")
     ratio = max(height, width) / min(height, width)
@@ -48,6 +48,14 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         raise InvalidRequestError(
             f"image aspect ratio {ratio:.1f} ({width}x{height}) exceeds the limit of {_MAX_ASPECT_RATIO}"
         )
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen's target (height, width): multiples of ``factor``, area within [min, max], aspect kept.
+
+    Same arithmetic as HF, including Python's round-half-to-even in the first rounding.
+    """
+    check_image_shape(height, width)
     h = round(height / factor) * factor
     w = round(width / factor) * factor
     if h * w > max_pixels:
@@ -351,9 +359,13 @@ class ClipImageProcessor:
 
     def preprocess(self, img: Image.Image, device: torch.device | str | None = None) -> torch.Tensor:
         """-> pixel_values float32 (3, H, W)."""
+        check_image_shape(img.height, img.width)
         img = _rgb(img)
         if self.do_pad and img.width != img.height:
             side = max(img.width, img.height)
+            if side * side > _MAX_PAD_CANVAS_PIXELS:
+                raise InvalidRequestError(f"image {img.width}x{img.height} pads to a {side}x{side} square, above "
+                                          f"the {_MAX_PAD_CANVAS_PIXELS:,} pixels this processor pads")
             fill = tuple(int(m * 255) for m in self.image_mean)  # HF truncates, it does not round
             canvas = Image.new("RGB", (side, side), fill)
             canvas.paste(img, ((side - img.width) // 2, (side - img.height) // 2))

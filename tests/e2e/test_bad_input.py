@@ -89,6 +89,40 @@ def test_bad_prompt_amid_good_ones_aborts_the_batch(llm: LLM) -> None:
 def test_bad_sampling_params(llm: LLM, kwargs: dict, needle: str) -> None:
     with pytest.raises(InvalidRequestError, match=needle):
         SamplingParams(**kwargs)
+    # Fields set after construction reach the engine unchecked by the constructor: the engine checks again.
+    params = SamplingParams()
+    for key, value in kwargs.items():
+        setattr(params, key, value)
+    with pytest.raises(InvalidRequestError, match=needle):
+        llm.generate([{"prompt": "a good prompt"}, {"prompt": "a bad one"}], [SamplingParams(max_tokens=2), params])
+    with pytest.raises(InvalidRequestError, match=needle):
+        llm.engine.add_request({"prompt": "a bad one"}, params)
+    _still_works(llm)
+
+
+def test_failed_vision_step_does_not_poison_its_image(llm: LLM, monkeypatch) -> None:
+    """A step that fails inside the vision tower (e.g. out of memory) fails its requests; the next request with
+    the same image encodes it again instead of finding a cache entry with no embedding behind it."""
+    prompt = {"prompt": IMG + "what is this?", "images": [_image(84, 112)]}  # a picture no other test sends
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    model, real = llm.engine.model, llm.engine.model.encode_images
+    failures = []
+
+    def fail_once(items):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(items)
+
+    monkeypatch.setattr(model, "encode_images", fail_once)
+    with pytest.raises(RuntimeError, match="simulated"):
+        llm.generate(prompt, params)
+    assert failures == [1]
+    retried = llm.generate(prompt, params)[0].token_ids
+    assert len(retried) == 4 and llm.generate(prompt, params)[0].token_ids == retried  # the latter from caches
+    enc = llm.engine.scheduler.encoder_cache
+    enc.check_invariants()
+    assert enc.held_hashes() <= llm.engine.runner.encoder_outputs.keys()
     _still_works(llm)
 
 
@@ -126,3 +160,16 @@ def test_missing_weight_is_named(ckpt, tmp_path) -> None:
 def test_not_a_checkpoint(tmp_path) -> None:
     with pytest.raises(ConfigError, match="config.json"):
         LLM(str(tmp_path), device="cpu")
+
+
+def test_stop_string_found_at_the_final_flush_reports_stop(llm: LLM, monkeypatch) -> None:
+    """The last token ends mid-character, so its text is held back until the request finishes (max_tokens);
+    the flush then completes a stop string: the text is cut and the outcome is "stop", not "length"."""
+    tok = llm.engine.tokenizer
+    script = iter([tok.convert_tokens_to_ids("e"), tok.convert_tokens_to_ids("Ã")])  # "Ã": byte 0xC3, half a char
+    monkeypatch.setattr(llm.engine.runner, "execute",
+                        lambda out: {s.request.request_id: next(script) for s in out.scheduled if s.samples})
+    out = llm.generate({"prompt": "say e"}, SamplingParams(max_tokens=2, ignore_eos=True, stop=["e\ufffd"]))[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == ("", "stop", "e\ufffd")
+    monkeypatch.undo()
+    _still_works(llm)

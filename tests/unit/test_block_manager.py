@@ -171,3 +171,17 @@ def test_encoder_cache_manager_refcounts() -> None:
         enc.add("d", "z", 3)
         enc.add("e", "z", 4)
     enc.check_invariants()
+
+
+def test_encoder_cache_discard_forgets_an_entry_and_its_references() -> None:
+    enc = EncoderCacheManager(cache_tokens=100)
+    enc.add("a", "h", 5)
+    enc.add("b", "h", 5)
+    enc.add("b", "g", 7)
+    enc.discard("h")  # its encode failed: nobody holds it
+    enc.check_invariants()
+    assert enc.needs_encode("h") and enc.num_cached_tokens == 7 and enc.hashes_of("a") == []
+    assert enc.hashes_of("b") == ["g"]
+    assert enc.release_all("a") == [] and enc.release_all("b") == ["g"]  # aborting its users still works
+    enc.discard("missing")
+    enc.check_invariants()

@@ -157,6 +157,20 @@ def test_qwen_extreme_aspect_ratio_refused() -> None:
         QwenImageProcessor().preprocess(rand_image(1, 300))
 
 
+@pytest.mark.parametrize("do_pad", [False, True])
+def test_clip_sliver_images_refused_before_resizing(do_pad: bool) -> None:
+    """A 1x8000 PNG is 100 bytes, but its shortest-edge resize would be 336x2,688,000 (gigabytes)."""
+    proc = ClipImageProcessor(do_pad=do_pad)
+    with pytest.raises(InvalidRequestError, match="aspect ratio"):
+        proc.preprocess(Image.new("RGB", (8000, 1)))
+    assert proc.preprocess(rand_image(2, 300)).shape == (3, 336, 336)  # ratio 150: served
+
+
+def test_clip_pad_canvas_bounded() -> None:
+    with pytest.raises(InvalidRequestError, match="square"):
+        ClipImageProcessor(do_pad=True).preprocess(Image.new("RGB", (9000, 100)))
+
+
 def test_smart_resize_matches_hf_on_many_sizes() -> None:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
