@@ -171,8 +171,12 @@ def _is_union_branch(part: object) -> bool:
                                                               "dict"))
 
 
+class _BodyTooLarge(Exception):
+    pass
+
+
 class _RequestIdAndLimits:
-    """Echo (or assign) `x-request-id`, refuse oversized bodies before reading them, check the API key."""
+    """Echo (or assign) `x-request-id`, refuse oversized bodies, check the API key."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
@@ -192,17 +196,54 @@ class _RequestIdAndLimits:
                 MutableHeaders(scope=message).append("x-request-id", str(state["request_id"]))
             await send(message)
 
+        async def refuse(status: int, message: str, type: str, code: str) -> None:
+            await error_response(status, message, type, code=code)(scope, receive, send_with_id)
+
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
-            resp = error_response(413, f"the body is {length} bytes; the limit is {self.max_body_bytes}",
-                                  code="request_too_large")
-            await resp(scope, receive, send_with_id)
+            # Answered before a byte of the body is read.
+            await refuse(413, f"the body is {length} bytes; the limit is {self.max_body_bytes}",
+                         "invalid_request_error", "request_too_large")
             return
         if self.api_key is not None and scope["path"].startswith("/v1/"):
             given = headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                resp = error_response(401, "missing or invalid API key", "authentication_error",
-                                      code="invalid_api_key")
-                await resp(scope, receive, send_with_id)
+                await refuse(401, "missing or invalid API key", "authentication_error", "invalid_api_key")
                 return
-        await self.app(scope, receive, send_with_id)
+        try:
+            replay = await self._read_body(receive)
+        except _BodyTooLarge:
+            await refuse(413, f"the body is larger than the limit of {self.max_body_bytes} bytes",
+                         "invalid_request_error", "request_too_large")
+            return
+        if replay is None:
+            return  # the client left before its body arrived: nobody to answer
+        await self.app(scope, replay, send_with_id)
+
+    async def _read_body(self, receive: Receive) -> Receive | None:
+        """Read the whole body, counting bytes as they arrive, so a chunked body (no Content-Length, or one that
+        lies) cannot grow past the limit; then hand the app a `receive` that gives it back in one message and
+        afterwards passes through (the handlers listen on it for the client's disconnect)."""
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            part = message.get("body", b"")
+            size += len(part)
+            if size > self.max_body_bytes:
+                raise _BodyTooLarge
+            parts.append(part)
+            if not message.get("more_body", False):
+                break
+        pending: Message | None = {"type": "http.request", "body": b"".join(parts), "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal pending
+            if pending is not None:
+                message, pending = pending, None
+                return message
+            return await receive()
+
+        return replay

@@ -175,6 +175,16 @@ class EngineMetrics:
                 continue
             hist.labels(*labels).observe(max(0.0, seconds))
 
+    def observe_aborted(self, latest: RequestOutput | None, tier: str = "default") -> None:
+        """Record a request aborted because its client went away: request_success{finished_reason="abort"}, and
+        the tokens of `latest` (its newest output, if any arrived) as work done. The latency histograms are left
+        alone: times cut short by the client say nothing about the service."""
+        labels = (self.model_name, tier)
+        self.request_success.labels(*labels, "abort").inc()
+        if latest is not None:
+            self.prompt_tokens.labels(*labels).inc(len(latest.prompt_token_ids))
+            self.generation_tokens.labels(*labels).inc(len(latest.token_ids))
+
     def update_engine_stats(self, stats: Mapping[str, Any]) -> None:
         """Refresh engine-wide metrics. Gauges: num_running, num_waiting, kv_cache_usage (0..1), token_budget.
         Cumulative counts (prefix_cache_queries/hits, encoder_cache_hits/misses, num_preemptions) become counter

@@ -13,13 +13,15 @@ import dataclasses
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-from flashvlm.request import SamplingParams
+from flashvlm.request import GREEDY_TEMPERATURE, SamplingParams
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-# Temperatures this small divide logits into infinities; treat them as greedy (as vLLM does).
-_GREEDY_TEMPERATURE = 1e-5
+# The detokenizer searches every stop string after every token, so a request's stop strings cost the whole batch;
+# these bounds are far beyond real use (OpenAI allows 4 strings) and keep that cost, and the stream holdback, small.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
 
 
 class APIError(Exception):
@@ -53,7 +55,19 @@ class ErrorResponse(BaseModel):
 
 
 # ---- requests ----------------------------------------------------------------------------------
-class _Request(BaseModel):
+class _NullMeansDefault(BaseModel):
+    """OpenAI marks most optional fields nullable and its clients send explicit nulls; a null here means the
+    field's default, so `"n": null` is `n=1` (and does not count as set, e.g. for `priority`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
+
+class _Request(_NullMeansDefault):
     # Extra fields are kept (not rejected) so newer OpenAI clients keep working; NaN and inf are never valid.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
@@ -85,7 +99,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_NullMeansDefault):
     include_usage: bool = False
     continuous_usage_stats: bool = Field(False, description="accepted and ignored")
 
@@ -116,11 +130,12 @@ class _SamplingFields(_Request):
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None  # strict: JSON true is not token 1
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=_INT64_MIN, le=_INT64_MAX,
-                          description="lower is served first; ignored when an SLA tier applies")
+                          description="lower is served first; overrides the SLA tier's priority (the tier "
+                                      "still labels the request's metrics)")
     # Echoed in the x-request-id header, so only visible ASCII (a newline would break the response head).
     request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
     sla_tier: str | None = Field(None, description="SLA tier name (or the x-sla-tier header)")
@@ -135,6 +150,16 @@ class _SamplingFields(_Request):
                               "frequency_penalty")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise bad_request(f"{len(stops)} stop strings given; at most {MAX_STOP_STRINGS} stop strings are "
+                              "allowed", "stop")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise bad_request(f"a stop string of {longest} characters given; each may have at most "
+                              f"{MAX_STOP_STRING_CHARS} characters", "stop")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -177,13 +202,24 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
         description="one prompt: text, or token ids (a list of one prompt is accepted too)")
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = Field(False, description="not supported")
     suffix: str | None = Field(None, description="not supported")
     best_of: int | None = Field(None, description="only 1 is supported")
     logprobs: int | None = Field(None, description="not supported")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _no_bool_token_ids(cls, prompt: Any) -> Any:
+        # StrictInt already refuses JSON true / false as token ids 1 / 0; this only names the problem, where the
+        # union's errors would talk about strings.
+        if isinstance(prompt, list):
+            items = [x for p in prompt for x in (p if isinstance(p, list) else [p])]
+            if any(isinstance(x, bool) for x in items):
+                raise ValueError("token ids must be integers, not true / false")
+        return prompt
 
     def check(self) -> None:
         self.common_checks()
@@ -211,29 +247,42 @@ class CompletionRequest(_SamplingFields):
 
 
 def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, defaults: SamplingParams,
-                       num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+                       num_prompt_tokens: int, max_model_len: int,
+                       kv_capacity_tokens: int | None = None) -> SamplingParams:
     """SamplingParams from the request over the model's defaults (generation_config.json), as vLLM does.
-    Without max_tokens a request may use the rest of the context. Raises InvalidRequestError on bad values."""
+    Without max_tokens a request may use the rest of the context, or of the KV cache when that holds fewer
+    tokens (`kv_capacity_tokens`; the engine refuses a request that could outgrow it). Raises APIError or
+    InvalidRequestError on bad values."""
+    prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise APIError(400, f"the prompt is {num_prompt_tokens} tokens long; max_model_len is {max_model_len} "
                        "(the prompt plus at least one generated token must fit)",
-                       param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-                       code="context_length_exceeded")
+                       param=prompt_param, code="context_length_exceeded")
+    # The last sampled token is never fed back, so it needs no KV: the cache bounds prompt + max_tokens - 1.
+    kv_room = room if kv_capacity_tokens is None else kv_capacity_tokens + 1 - num_prompt_tokens
+    if kv_room < 1:
+        raise APIError(400, f"the prompt is {num_prompt_tokens} tokens long; the engine's KV cache holds "
+                       f"{kv_capacity_tokens} tokens (the prompt plus at least one generated token must fit)",
+                       param=prompt_param, code="context_length_exceeded")
     max_tokens = req.requested_max_tokens()
     if max_tokens is None:
-        max_tokens = max(1, room)
+        max_tokens = min(room, kv_room)
     elif max_tokens > room:
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt has "
                        f"{num_prompt_tokens} and max_tokens asks for {max_tokens} more", param="max_tokens",
                        code="context_length_exceeded")
+    elif max_tokens > kv_room:
+        raise APIError(400, f"the engine's KV cache holds {kv_capacity_tokens} tokens; the prompt has "
+                       f"{num_prompt_tokens} and max_tokens asks for {max_tokens} more (at most {kv_room} fit)",
+                       param="max_tokens", code="context_length_exceeded")
     fields: dict[str, Any] = {"max_tokens": max_tokens, "min_tokens": req.min_tokens, "ignore_eos": req.ignore_eos,
                               "skip_special_tokens": req.skip_special_tokens, "seed": req.seed}
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
         if value is not None:
             fields[name] = value
-    if fields.get("temperature") is not None and fields["temperature"] < _GREEDY_TEMPERATURE:
+    if fields.get("temperature") is not None and fields["temperature"] < GREEDY_TEMPERATURE:
         fields["temperature"] = 0.0
     if req.stop is not None:
         fields["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import math
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -59,12 +60,15 @@ class _Started:
 
     stream: RequestStream
     base_id: str
+    """The id the client sees (response id, x-request-id); the engine's key is `stream.request_id`."""
     model: str
     tier: str
     params: SamplingParams
     span: Any
     include_usage: bool
     final: RequestOutput | None = None
+    latest: RequestOutput | None = None
+    """The newest output read so far, for the metrics of a request the client abandoned."""
 
 
 class OpenAIServing:
@@ -120,10 +124,10 @@ class OpenAIServing:
             try:
                 processed = await prepare()
                 params = to_sampling_params(req, self.engine.default_sampling_params(),
-                                            len(processed.prompt_token_ids), self.engine.max_model_len)
-                base_id = req.request_id or raw.state.request_id
-                raw.state.request_id = base_id
-                stream = await self.engine.add_request(processed, params, request_id=base_id, priority=priority,
+                                            len(processed.prompt_token_ids), self.engine.max_model_len,
+                                            self._kv_capacity_tokens())
+                base_id, engine_id = self._request_ids(req, raw)
+                stream = await self.engine.add_request(processed, params, request_id=engine_id, priority=priority,
                                                        tier=tier, arrival_time=arrival, slot=slot)
             finally:
                 slot.release()
@@ -136,14 +140,33 @@ class OpenAIServing:
         if self.tracer is not None:
             from flashvlm.server.tracing import gen_ai_request_attributes
 
-            attrs = gen_ai_request_attributes(model, params, req.stream)
+            attrs = {**gen_ai_request_attributes(model, params, req.stream), "flashvlm.engine_request_id": engine_id}
             span = self.tracer.start_request_span(base_id, raw.headers.get("traceparent"), attrs, start_time=arrival)
         if not self.settings.disable_log_requests:
-            logger.info("request %s: tier=%s priority=%d prompt_tokens=%d images=%d max_tokens=%d stream=%s",
-                        base_id, tier, priority, len(processed.prompt_token_ids), len(processed.mm_items),
-                        params.max_tokens, req.stream)
+            logger.info("request %s (engine id %s): tier=%s priority=%d prompt_tokens=%d images=%d max_tokens=%d "
+                        "stream=%s", base_id, engine_id, tier, priority, len(processed.prompt_token_ids),
+                        len(processed.mm_items), params.max_tokens, req.stream)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _Started(stream, base_id, model, tier, params, span, include_usage)
+
+    @staticmethod
+    def _request_ids(req: ChatCompletionRequest | CompletionRequest, raw: Request) -> tuple[str, str]:
+        """(the id the client sees, the engine's key). A client's id (body `request_id` or `x-request-id`) is
+        echoed as given, but clients reuse one id across requests (a trace id, a retry), and the engine needs a
+        unique key: a short random suffix makes one that still starts with the client's id, for grepping logs."""
+        client_id = req.request_id or raw.headers.get("x-request-id")
+        if not client_id:
+            return raw.state.request_id, raw.state.request_id  # assigned by the app: already unique
+        raw.state.request_id = client_id
+        return client_id, f"{client_id}-{secrets.token_hex(4)}"
+
+    def _kv_capacity_tokens(self) -> int | None:
+        """Tokens the engine's KV cache holds (usable blocks x block size); None if its stats do not say. Read from
+        the stats snapshot the engine thread publishes, not from the block manager that thread owns."""
+        num_blocks = self.engine.stats().get("kv_num_blocks")
+        if num_blocks is None:
+            return None
+        return int(num_blocks) * self.engine.engine.config.cache.block_size
 
     def _check_model(self, model: str | None) -> str:
         names = self.settings.served_model_names
@@ -196,10 +219,9 @@ class OpenAIServing:
         """The final output; None if the client went away first (the request is then aborted)."""
 
         async def consume() -> RequestOutput | None:
-            last = None
             async for out in st.stream:
-                last = out
-            return last
+                st.latest = out
+            return st.latest
 
         task = asyncio.ensure_future(consume())
         gone = asyncio.ensure_future(_wait_disconnect(raw))
@@ -264,6 +286,7 @@ class OpenAIServing:
         error: BaseException | None = None
         try:
             async for out in st.stream:
+                st.latest = out
                 text = out.text
                 end = len(text) if out.finished else max(sent, len(text) - holdback)
                 if end > sent:
@@ -286,8 +309,11 @@ class OpenAIServing:
             self._finish(st, final, error)
 
     def _finish(self, st: _Started, final: RequestOutput | None, error: BaseException | None) -> None:
-        if final is not None and self.metrics is not None:
-            self.metrics.observe_finished(final, st.tier, st.stream.inter_token_latencies)
+        if self.metrics is not None:
+            if final is not None:
+                self.metrics.observe_finished(final, st.tier, st.stream.inter_token_latencies)
+            elif error is None or isinstance(error, _CLIENT_GONE):  # the stream's close() aborted it in the engine
+                self.metrics.observe_aborted(st.latest, st.tier)
         if st.span is not None and self.tracer is not None:
             reason = None if error is None else f"{type(error).__name__}: {error}"
             self.tracer.finish_request_span(st.span, final, st.tier, error=reason)
@@ -309,6 +335,9 @@ class OpenAIServing:
 
 _START_TIME = int(time.time())
 _REJECT_REASONS = {400: "invalid", 403: "forbidden", 404: "unknown_model", 429: "queue_full"}
+# How a handler learns that its client went away: cancelled by the disconnect watcher, its SSE generator closed,
+# or a write to the closed socket failing.
+_CLIENT_GONE = (asyncio.CancelledError, GeneratorExit, OSError)
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from flashvlm.server.protocol import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from tests.server.conftest import (
     LIMIT_IMAGES,
     MAX_IMAGE_BYTES,
@@ -102,6 +103,14 @@ CASES: list[tuple[str, str, Any, int, str]] = [
     ("completion-echo", COMPLETIONS, {"model": MODEL, "prompt": "a", "echo": True}, 400, "echo"),
     ("completion-missing-prompt", COMPLETIONS, {"model": MODEL}, 400, "prompt"),
     ("unknown-route", "/v1/embeddings", {"input": "x"}, 404, "not found"),
+    ("too-many-stop-strings", CHAT, _chat(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]), 400,
+     f"at most {MAX_STOP_STRINGS} stop strings"),
+    ("stop-string-too-long", CHAT, _chat(stop="x" * (MAX_STOP_STRING_CHARS + 1)), 400,
+     f"at most {MAX_STOP_STRING_CHARS} characters"),
+    ("stream-options-without-stream", CHAT, _chat(stream_options={"include_usage": True}), 400, "stream"),
+    ("completion-bool-token-ids", COMPLETIONS, {"model": MODEL, "prompt": [True, 2]}, 400, "not true"),
+    ("completion-nested-bool-token-ids", COMPLETIONS, {"model": MODEL, "prompt": [[1, False]]}, 400, "integers"),
+    ("stop-token-id-bool", CHAT, _chat(stop_token_ids=[True]), 400, "stop_token_ids"),
 ]
 
 

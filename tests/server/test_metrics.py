@@ -9,7 +9,7 @@ from flashvlm.request import RequestOutput
 from flashvlm.server.metrics import EngineMetrics, token_buckets
 
 
-def _output(rid: str = "r1", n_prompt: int = 10, n_gen: int = 5, finish_reason: str = "stop",
+def _output(rid: str = "r1", n_prompt: int = 10, n_gen: int = 5, finish_reason: str | None = "stop",
             stages: dict[str, float] | None = None) -> RequestOutput:
     return RequestOutput(request_id=rid, prompt_token_ids=list(range(n_prompt)), token_ids=list(range(n_gen)),
                          text="x", finish_reason=finish_reason, arrival_time=1000.0, first_token_time=1000.25,
@@ -124,6 +124,17 @@ def test_reject_counts_by_reason_and_tier() -> None:
     m.reject("invalid")
     assert _value(m, "flashvlm:request_rejected_total", tier="bronze", reason="queue_full") == 2
     assert _value(m, "flashvlm:request_rejected_total", tier="default", reason="invalid") == 1
+
+
+def test_aborted_requests_count_as_success_with_reason_abort() -> None:
+    m = EngineMetrics("tiny")
+    m.observe_aborted(_output(n_prompt=7, n_gen=3, finish_reason=None), tier="gold")
+    m.observe_aborted(None)  # left before the engine produced anything
+    assert _value(m, "flashvlm:request_success_total", tier="gold", finished_reason="abort") == 1
+    assert _value(m, "flashvlm:request_success_total", tier="default", finished_reason="abort") == 1
+    assert _value(m, "flashvlm:prompt_tokens_total", tier="gold") == 7
+    assert _value(m, "flashvlm:generation_tokens_total", tier="gold") == 3
+    assert _value(m, "flashvlm:e2e_request_latency_seconds_count", tier="gold") == 0  # cut-short times are left out
 
 
 def test_instances_do_not_share_state() -> None:
