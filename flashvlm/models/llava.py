@@ -126,5 +126,12 @@ class LlavaForConditionalGeneration(VLModel):
                 return "multi_modal_projector." + ckpt_name[len(src):]
         return None
 
+    def _expected_unused(self, ckpt_name: str) -> bool:
+        """What _param_name skips on purpose: the tied head's copy of the embedding, and the CLIP tensors the
+        tower does not run (layers after the feature layer, post_layernorm, position ids)."""
+        if ckpt_name.startswith(_HEAD_PREFIXES):
+            return self.lm_head is None
+        return ckpt_name.startswith(_VISION_PREFIXES) and self._param_name(ckpt_name) is None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_params(self, weights, self._param_name, packed=_PACKED)
+        return load_params(self, weights, self._param_name, packed=_PACKED, expected_unused=self._expected_unused)

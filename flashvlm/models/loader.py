@@ -70,10 +70,49 @@ def read_checkpoint(model_config: ModelConfig) -> Checkpoint:
         raise ConfigError(f"cannot parse {path / 'config.json'}: {e}") from e
     resolve_model_class(getattr(hf_config, "architectures", None))  # fail fast on an unknown architecture
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return Checkpoint(path=path, hf_config=hf_config, tokenizer=tokenizer,
-                      chat_template=_find_chat_template(path, tokenizer),
-                      preprocessor_config=_read_json(path / "preprocessor_config.json"),
-                      generation_defaults=_read_json(path / "generation_config.json"))
+    checkpoint = Checkpoint(path=path, hf_config=hf_config, tokenizer=tokenizer,
+                            chat_template=_find_chat_template(path, tokenizer),
+                            preprocessor_config=_read_image_processor_config(path),
+                            generation_defaults=_read_json(path / "generation_config.json"))
+    _check_clip_input_size(checkpoint)
+    return checkpoint
+
+
+def _read_image_processor_config(path: Path) -> dict:
+    """preprocessor_config.json, else the "image_processor" section of processor_config.json: transformers 5's
+    ProcessorMixin.save_pretrained may write only the latter, and the defaults would not fit the model."""
+    if (path / "preprocessor_config.json").is_file():
+        return _read_json(path / "preprocessor_config.json")
+    section = _read_json(path / "processor_config.json").get("image_processor")
+    if isinstance(section, dict):
+        return section
+    logger.warning("%s has neither preprocessor_config.json nor an image_processor section in "
+                   "processor_config.json: images are preprocessed with the family's default settings", path)
+    return {}
+
+
+def _check_clip_input_size(checkpoint: Checkpoint) -> None:
+    """A CLIP tower takes one fixed image size: a processor that crops to another one would make every image
+    request fail on its placeholder count, so refuse the checkpoint at load time instead."""
+    if checkpoint.model_type != "llava":
+        return
+    from flashvlm.processing.preprocess import ClipImageProcessor
+
+    cfg = checkpoint.hf_config
+    image_size, patch_size = cfg.vision_config.image_size, cfg.vision_config.patch_size
+    strategy = getattr(cfg, "vision_feature_select_strategy", "default")
+    expected_tokens = (image_size // patch_size) ** 2 + (1 if strategy == "full" else 0)
+    try:
+        proc = ClipImageProcessor.from_config(checkpoint.preprocessor_config)
+        tokens = proc.num_image_tokens(patch_size, strategy)
+    except ValueError as e:
+        raise ConfigError(f"{checkpoint.path}: image processor config does not fit the LLaVA model: {e}") from e
+    if proc.output_hw(image_size, image_size) != (image_size, image_size) or tokens != expected_tokens:
+        height, width = proc.output_hw(image_size, image_size)
+        raise ConfigError(
+            f"{checkpoint.path}: the image processor makes {height}x{width} images ({tokens} tokens each) but the "
+            f"vision tower takes {image_size}x{image_size} (vision_config.image_size, {expected_tokens} tokens); "
+            "fix crop_size/size in preprocessor_config.json (or processor_config.json's image_processor)")
 
 
 def _read_json(path: Path) -> dict:

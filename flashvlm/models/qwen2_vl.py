@@ -142,8 +142,13 @@ class Qwen2VLForConditionalGeneration(VLModel):
                 tensor = self.visual.load_transform(target[len("visual."):], tensor)
             yield name, tensor
 
+    def _expected_unused(self, ckpt_name: str) -> bool:
+        """What _param_name skips on purpose (anything else it cannot place is worth a warning)."""
+        return ckpt_name.startswith("lm_head.") and self.lm_head is None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_params(self, self._prepare(weights), self._param_name, packed=_PACKED)
+        return load_params(self, self._prepare(weights), self._param_name, packed=_PACKED,
+                           expected_unused=self._expected_unused)
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):

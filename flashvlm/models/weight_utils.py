@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from flashvlm.config import ConfigError
 from flashvlm.layers.linear import MergedLinear
 from flashvlm.models.interfaces import MissingWeightError
+
+logger = logging.getLogger(__name__)
+
+_HARMLESS_EXTRAS = re.compile(r"(^|\.)(inv_freq|position_ids)$")
+"""Checkpoint tensors no model here needs, whatever the family: rotary tables and position-id buffers that
+older saves carry and that are recomputed at load."""
+_SHOWN_NAMES = 5
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -29,32 +39,57 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 def iterate_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    for f in checkpoint_files(path):
+    files = checkpoint_files(path)
+    if not (Path(path) / "model.safetensors.index.json").exists():
+        _check_no_duplicate_tensors(files)
+    for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 - safe_open is not a dict
                 yield name, st.get_tensor(name)
 
 
+def _check_no_duplicate_tensors(files: list[Path]) -> None:
+    """Without an index every *.safetensors file is read, so a stray copy (an old export, a consolidated file
+    next to the shards) would silently overwrite tensors depending on file order. Reads headers only."""
+    from safetensors import safe_open
+
+    owner: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open is not a dict
+                if name in owner:
+                    raise ConfigError(
+                        f"tensor {name!r} is in both {owner[name].name} and {f.name} of {f.parent}, which has no "
+                        "model.safetensors.index.json to choose between them; remove the extra file or add an index")
+                owner[name] = f
+
+
 def load_params(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                 rename: Callable[[str], str | None],
-                packed: dict[str, tuple[str, int]] | None = None) -> set[str]:
+                packed: dict[str, tuple[str, int]] | None = None,
+                expected_unused: Callable[[str], bool] = lambda name: False) -> set[str]:
     """Copy checkpoint tensors into `model`.
 
     rename maps a checkpoint name to a parameter name (None = skip the tensor). `packed` maps a
     projection name (e.g. "q_proj") to (packed module name, shard) for MergedLinear layers.
+    Skipped tensors are logged once unless `expected_unused` (or the family-independent list) knows
+    them: an unrecognised name usually means a layout we misread, not a tensor to ignore.
     Returns the filled parameter names; a packed parameter counts once all its shards arrived.
     """
     params = dict(model.named_parameters())
     packed = packed or {}
     filled: set[str] = set()
     shards_seen: dict[str, set[int]] = {}
+    unexpected: list[str] = []
     for ckpt_name, tensor in weights:
         name = rename(ckpt_name)
-        if name is None:
+        hit = None if name is None else _packed_hit(name, packed)
+        if name is None or (hit is None and name not in params):
+            if not (_HARMLESS_EXTRAS.search(ckpt_name) or expected_unused(ckpt_name)):
+                unexpected.append(ckpt_name)
             continue
-        parts = name.split(".")
-        hit = next(((i, packed[p]) for i, p in enumerate(parts) if p in packed), None)
         if hit is not None:
+            parts = name.split(".")
             i, (packed_name, shard) = hit
             module_path, param_name = ".".join(parts[:i] + [packed_name]), parts[-1]
             module = model.get_submodule(module_path)
@@ -67,8 +102,6 @@ def load_params(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
             if len(shards_seen[full]) == len(module.out_sizes):
                 filled.add(full)
             continue
-        if name not in params:
-            continue  # e.g. rotary inv_freq buffers some checkpoints carry
         param = params[name]
         if param.shape != tensor.shape:
             raise ValueError(f"weight {ckpt_name}: checkpoint shape {tuple(tensor.shape)} != "
@@ -76,7 +109,16 @@ def load_params(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         with torch.no_grad():
             param.copy_(tensor)
         filled.add(name)
+    if unexpected:
+        shown = ", ".join(unexpected[:_SHOWN_NAMES]) + (" ..." if len(unexpected) > _SHOWN_NAMES else "")
+        logger.warning("%d checkpoint tensor(s) match no parameter of %s and were not loaded: %s",
+                       len(unexpected), type(model).__name__, shown)
     return filled
+
+
+def _packed_hit(name: str, packed: dict[str, tuple[str, int]]) -> tuple[int, tuple[str, int]] | None:
+    """(index of the name component, (packed module, shard)) when `name` is a shard of a MergedLinear."""
+    return next(((i, packed[p]) for i, p in enumerate(name.split(".")) if p in packed), None)
 
 
 def check_all_loaded(model: nn.Module, filled: set[str]) -> None:

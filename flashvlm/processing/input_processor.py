@@ -9,6 +9,7 @@ one copy of the decoded image are not kept: the copy is cheaper than holding fre
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -24,7 +25,12 @@ from PIL import Image
 from flashvlm.models.loader import Checkpoint
 from flashvlm.processing.hashing import hash_image, hash_pixels
 from flashvlm.processing.images import load_image, rgb_array
-from flashvlm.processing.preprocess import ClipImageProcessor, QwenImageProcessor, get_image_processor
+from flashvlm.processing.preprocess import (
+    _MAX_ASPECT_RATIO,  # check_image_shape's limit
+    ClipImageProcessor,
+    QwenImageProcessor,
+    get_image_processor,
+)
 from flashvlm.request import InvalidRequestError, MMItem
 
 _IMAGE_PART_TYPES = ("image", "image_url", "input_image")
@@ -184,13 +190,11 @@ class InputProcessor:
 
     def profile_items(self, budget_tokens: int) -> list[MMItem]:
         """Stand-ins for the heaviest vision batch one step can hold, for memory profiling: the largest image
-        a request may send (the processor's max_pixels limit), or as many fixed-size images as the step's
-        token budget covers. Pixel values are zeros: only shapes matter."""
+        a request may send (see `largest_qwen_grid`), or as many fixed-size images as the step's token budget
+        covers. Pixel values are zeros: only shapes matter."""
         proc = self.image_processor
         if isinstance(proc, QwenImageProcessor):
-            limit = proc.max_pixels_limit if proc.max_pixels_limit is not None else proc.max_pixels
-            side = max(proc.factor, math.isqrt(limit) // proc.factor * proc.factor)
-            grid = proc.grid_thw(side, side)
+            grid = largest_qwen_grid(proc)
             patch = 3 * proc.temporal_patch_size * proc.patch_size ** 2
             pixels = torch.zeros(grid[0] * grid[1] * grid[2], patch)
             num_tokens = proc.num_image_tokens(grid)
@@ -247,7 +251,7 @@ class InputProcessor:
         lo, hi = kwargs.get("min_pixels"), kwargs.get("max_pixels")
         params = proc.processor_params(lo, hi)  # validates the overrides
         height, width = array.shape[:2] if array is not None else (img.height, img.width)
-        resized = proc.target_size(height, width, lo, hi) != (height, width)
+        resized = qwen_target_size(proc, height, width, lo, hi) != (height, width)
         # The RGB bytes (load_image always gives RGB), read once for the hash and, without a resize, the pixels.
         raw = array if array is not None else img.tobytes()
         mm_hash = hash_pixels("RGB", width, height, params, raw)
@@ -265,25 +269,34 @@ class InputProcessor:
         return mm_hash, *proc.preprocess(img, min_pixels=lo, max_pixels=hi, device=self.preprocess_device), True
 
     def _expand_placeholders(self, token_ids: list[int], items: list[MMItem]) -> list[int]:
-        """One placeholder token per image is expanded; prompts already expanded are accepted as they are."""
+        """Each placeholder token stands for one image and is expanded, as HF's processors do, even when
+        placeholders sit back to back. A prompt already expanded (runs made of whole images' token counts, in
+        order) is accepted as it is."""
         tok = self.image_token_id
         runs = _runs_of(token_ids, tok)
-        n = len(items)
-        if len(runs) == n and all(length == item.num_tokens for (_, length), item in zip(runs, items)):
-            for (start, _), item in zip(runs, items):
-                item.offset = start
-            return token_ids
-        if len(runs) != n or any(length != 1 for _, length in runs):
-            count = token_ids.count(tok)
+        count = sum(length for _, length in runs)
+        if count == len(items):
+            starts = [i for start, length in runs for i in range(start, start + length)]
+            return self._expand_each(token_ids, starts, items)
+        offsets = _expanded_offsets(runs, items)
+        if offsets is None:
             raise InvalidRequestError(
-                f"prompt has {count} image placeholder token(s) {self._image_token!r} but {n} image(s) were given; "
-                "put one placeholder per image (or the fully expanded count)")
+                f"prompt has {count} image placeholder token(s) {self._image_token!r} (in runs of "
+                f"{[length for _, length in runs]}) but {len(items)} image(s) were given; put one placeholder per "
+                f"image, or each image's exact expansion ({[item.num_tokens for item in items]} tokens)")
+        for offset, item in zip(offsets, items):
+            item.offset = offset
+        return token_ids
+
+    @staticmethod
+    def _expand_each(token_ids: list[int], starts: list[int], items: list[MMItem]) -> list[int]:
+        """Replace the placeholder at each of `starts` by its image's tokens."""
         out: list[int] = []
         previous = 0
-        for (start, _), item in zip(runs, items):
+        for start, item in zip(starts, items):
             out.extend(token_ids[previous:start])
             item.offset = len(out)
-            out.extend([tok] * item.num_tokens)
+            out.extend([token_ids[start]] * item.num_tokens)
             previous = start + 1
         out.extend(token_ids[previous:])
         return out
@@ -295,6 +308,65 @@ def _timed(fn, *args) -> ProcessedPrompt:
     processed.arrival_time = arrival
     processed.preprocess_s = time.perf_counter() - t0
     return processed
+
+
+def qwen_target_size(proc: QwenImageProcessor, height: int, width: int, min_pixels: int | None = None,
+                     max_pixels: int | None = None) -> tuple[int, int]:
+    """proc.target_size, refusing a result with more patches than `largest_qwen_grid`, the image the memory
+    profile plans for. Only a request's own min_pixels (its upscale rounds both sides up: a 3x426 image with
+    min_pixels = max_pixels = 28*28*1280 gets 1708 merge windows, not 1280) or do_resize off gets there."""
+    target = proc.target_size(height, width, min_pixels, max_pixels)
+    _, grid_h, grid_w = largest_qwen_grid(proc)
+    patches = target[0] * target[1] // proc.patch_size ** 2
+    if patches > grid_h * grid_w:
+        raise InvalidRequestError(
+            f"image {width}x{height} would be resized to {target[1]}x{target[0]} ({patches} patches), more than the "
+            f"{grid_h * grid_w} of the largest image memory was planned for; lower min_pixels or max_pixels")
+    return target
+
+
+def largest_qwen_grid(proc: QwenImageProcessor) -> tuple[int, int, int]:
+    """A grid with at least as many patches as any image gets under the configured min_pixels, with max_pixels
+    up to the request limit (see `_largest_window_grid`)."""
+    ceiling = max(proc.max_pixels, proc.max_pixels_limit or 0)  # the configured max applies even above the limit
+    short, long = _largest_window_grid(proc.factor ** 2, proc.min_pixels, ceiling)
+    return 1, short * proc.merge_size, long * proc.merge_size
+
+
+@functools.lru_cache(maxsize=32)
+def _largest_window_grid(window_pixels: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(a, b) merge windows with a*b at least that of every smart_resize output, over its three outcomes:
+    kept or shrunk within max_pixels (an a x b window image with a*b <= max_pixels / window is kept as it is; the
+    best is not the isqrt square: 1280 windows fit 32x40, the best square 35x35 = 1225); shrunk below one window
+    on the short side (one is kept there, the long side keeps its share, at most sqrt(200 * max / window));
+    grown to min_pixels, where both sides round up (x windows on the short side, just above k, give at most
+    (k + 1) * ceil(min / k): the demo's min = max = 36 windows gives a 1x200 image 85)."""
+    units = max_pixels // window_pixels
+    candidates = [(1, 1)] + [(a, units // a) for a in range(1, math.isqrt(units) + 1)
+                             if units // a <= _MAX_ASPECT_RATIO * a]
+    most = max_pixels / window_pixels
+    if most < _MAX_ASPECT_RATIO:
+        candidates.append((1, math.floor(math.sqrt(_MAX_ASPECT_RATIO * most))))
+    least = min_pixels / window_pixels
+    x_min, x_max = math.sqrt(least / _MAX_ASPECT_RATIO), math.sqrt(_MAX_ASPECT_RATIO * least)
+    candidates += [(k + 1, math.ceil(least / max(k, x_min))) for k in range(math.floor(x_min), math.ceil(x_max))]
+    return max(candidates, key=lambda grid: (grid[0] * grid[1], grid[0]))
+
+
+def _expanded_offsets(runs: list[tuple[int, int]], items: list[MMItem]) -> list[int] | None:
+    """Where each image starts if every run is the expansion of one or more consecutive images (images whose
+    placeholders were back to back form one run), else None."""
+    offsets: list[int] = []
+    for start, length in runs:
+        while length > 0 and len(offsets) < len(items):
+            need = items[len(offsets)].num_tokens
+            if need > length:
+                return None
+            offsets.append(start)
+            start, length = start + need, length - need
+        if length:
+            return None
+    return offsets if len(offsets) == len(items) else None
 
 
 def _runs_of(ids: list[int], tok: int) -> list[tuple[int, int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import numpy as np
@@ -11,9 +12,9 @@ import torch
 
 from flashvlm import LLM, SamplingParams
 from flashvlm.cli import main
-from flashvlm.config import ModelConfig
+from flashvlm.config import ConfigError, ModelConfig
 from flashvlm.models.loader import read_checkpoint
-from flashvlm.testing.tiny_checkpoints import build_qwen2_vl
+from flashvlm.testing.tiny_checkpoints import build_llava, build_qwen2_vl
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPT = {"prompt": IMG + "What is this?", "images": [np.random.default_rng(0).integers(0, 256, (56, 84, 3),
@@ -74,6 +75,99 @@ def test_chat_template_sources(reference, tmp_path) -> None:
     tok_cfg["chat_template"] = template + "{# tokcfg #}"
     (in_tokenizer / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
     assert read_checkpoint(ModelConfig(str(in_tokenizer))).chat_template.endswith("{# tokcfg #}")
+
+
+@pytest.fixture(scope="module")
+def llava_path(tmp_path_factory):
+    return build_llava(tmp_path_factory.mktemp("llava"), seed=24)
+
+
+def _llava_copy(llava_path, tmp_path, preprocessor: dict | None):
+    """The tiny LLaVA with its preprocessor_config.json replaced (None: removed)."""
+    path = tmp_path / "llava"
+    shutil.copytree(llava_path, path)
+    (path / "preprocessor_config.json").unlink()
+    if preprocessor is not None:
+        (path / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    return path
+
+
+def test_image_processor_settings_from_processor_config(llava_path, tmp_path) -> None:
+    """transformers 5's processor save keeps the image processor inside processor_config.json only."""
+    from transformers import AutoTokenizer, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    settings = json.loads((llava_path / "preprocessor_config.json").read_text())
+    path = _llava_copy(llava_path, tmp_path, None)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    image_processor = CLIPImageProcessorPil(**{k: v for k, v in settings.items()
+                                               if k not in ("image_processor_type", "processor_class")})
+    LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=14,
+                   vision_feature_select_strategy="default").save_pretrained(path)
+    assert not (path / "preprocessor_config.json").exists()
+    assert read_checkpoint(ModelConfig(str(path))).preprocessor_config["crop_size"] == {"height": 56, "width": 56}
+    llm = LLM(str(path), device="cpu", kv_cache_tokens=1024)
+    out = llm.generate({"prompt": "<image>\nhi", "images": [PROMPT["images"][0]]}, GREEDY)[0]
+    assert len(out.token_ids) == 8
+
+
+def test_missing_image_processor_settings_warn(reference, tmp_path, caplog) -> None:
+    ref_path, _ = reference
+    path = tmp_path / "qwen"
+    shutil.copytree(ref_path, path)
+    (path / "preprocessor_config.json").unlink()
+    with caplog.at_level(logging.WARNING, logger="flashvlm.models.loader"):
+        assert read_checkpoint(ModelConfig(str(path))).preprocessor_config == {}
+    assert "neither preprocessor_config.json nor" in caplog.text
+
+
+@pytest.mark.parametrize("preprocessor", [None, {"crop_size": {"height": 112, "width": 112},
+                                                 "size": {"shortest_edge": 112}},
+                                          {"crop_size": {"height": 57, "width": 57}, "size": {"shortest_edge": 57}},
+                                          {"do_center_crop": False, "size": {"shortest_edge": 56}}])
+def test_clip_crop_must_fit_the_vision_tower(llava_path, tmp_path, preprocessor) -> None:
+    # Without settings the CLIP default crop is 224; 57 gives the same 16 tokens but not the tower's input shape;
+    # without a crop the token count would depend on each image.
+    path = _llava_copy(llava_path, tmp_path, preprocessor)
+    with pytest.raises(ConfigError, match="image_size|does not fit"):
+        read_checkpoint(ModelConfig(str(path)))
+
+
+def _rewrite_weights(path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(path / "model.safetensors"))
+    save_file(edit(state), str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_unused_checkpoint_tensors_are_reported(reference, tmp_path, caplog) -> None:
+    path = build_qwen2_vl(tmp_path / "extra", seed=21, legacy_layout=True)
+    extra = {f"model.mystery.{i}.weight": torch.zeros(2) for i in range(7)}
+    harmless = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(4),
+                "visual.blocks.0.attn.rotary.inv_freq": torch.zeros(4)}
+    _rewrite_weights(path, lambda state: {**state, **extra, **harmless})
+    with caplog.at_level(logging.WARNING, logger="flashvlm.models.weight_utils"):
+        assert _answer(path) == reference[1]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "flashvlm.models.weight_utils"]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("7 checkpoint tensor(s)") and "model.mystery.0.weight" in warnings[0]
+    assert "inv_freq" not in warnings[0]
+
+
+def test_clean_checkpoints_load_without_warnings(reference, llava_path, tmp_path, caplog) -> None:
+    # Tied heads and the CLIP layers after the feature layer are skipped on purpose: no warning for those.
+    tied = build_qwen2_vl(tmp_path / "tied", seed=22, tie_word_embeddings=True)
+    with caplog.at_level(logging.WARNING, logger="flashvlm.models.weight_utils"):
+        for path in (reference[0], llava_path, tied):
+            LLM(str(path), device="cpu", kv_cache_tokens=1024)
+    assert not [r for r in caplog.records if r.name == "flashvlm.models.weight_utils"]
+
+
+def test_duplicate_tensors_across_files_are_refused(reference, tmp_path) -> None:
+    path = build_qwen2_vl(tmp_path / "dup", seed=21, legacy_layout=True)
+    shutil.copy(path / "model.safetensors", path / "consolidated.safetensors")
+    with pytest.raises(ConfigError, match="in both consolidated.safetensors and model.safetensors"):
+        LLM(str(path), device="cpu", kv_cache_tokens=1024)
 
 
 def test_dummy_weights_are_seeded(reference) -> None:

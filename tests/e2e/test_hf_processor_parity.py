@@ -1,0 +1,103 @@
+"""Our prompt processing against HF's own processor, loaded from the same checkpoint folder: token ids after
+placeholder expansion and chat templating, pixel values and Qwen's image grids.
+
+test_parity.py hands transformers our processed inputs, so it cannot notice a difference in these steps.
+The processors are built from HF's PIL image processors (see _hf_processor), with or without torchvision.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flashvlm import LLM
+from flashvlm.testing.tiny_checkpoints import build_llava, build_qwen2_vl
+
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava"]
+PLACEHOLDER = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>\n"}
+BARE_PLACEHOLDER = {"qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>", "llava": "<image>"}
+# (width, height): one kept as it is, one resized up, one resized down (Qwen) or cropped (LLaVA)
+SIZES = ((56, 112), (80, 60), (300, 200))
+
+
+def _image(size: tuple[int, int], seed: int) -> np.ndarray:
+    width, height = size
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def _hf_processor(name: str, path, hf_config):
+    """HF's processor with its PIL image processor, which is what we match (the torchvision "fast" ones resize
+    differently and AutoProcessor picks them wherever torchvision is installed, e.g. on the GPU machine)."""
+    from transformers import AutoTokenizer, BaseVideoProcessor, LlavaProcessor, Qwen2_5_VLProcessor, Qwen2VLProcessor
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if name == "llava":
+        # llava-hf folders carry these in processor_config.json; the tiny checkpoint has none, and without
+        # patch_size HF leaves <image> unexpanded.
+        return LlavaProcessor(image_processor=LlavaImageProcessorPil.from_pretrained(path), tokenizer=tokenizer,
+                              chat_template=tokenizer.chat_template, patch_size=hf_config.vision_config.patch_size,
+                              vision_feature_select_strategy=hf_config.vision_feature_select_strategy,
+                              num_additional_image_tokens=1)
+    cls = Qwen2_5_VLProcessor if name == "qwen2_5_vl" else Qwen2VLProcessor
+    # The processor type-checks a video processor; images never touch it. Without torchvision transformers'
+    # BaseVideoProcessor is a placeholder whose constructor raises, hence an instance that skips __init__.
+    no_video = object.__new__(BaseVideoProcessor)
+    return cls(image_processor=Qwen2VLImageProcessorPil.from_pretrained(path), tokenizer=tokenizer,
+               video_processor=no_video, chat_template=tokenizer.chat_template)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    name = request.param
+    folder = tmp_path_factory.mktemp(name)
+    path = build_llava(folder, seed=31) if name == "llava" else build_qwen2_vl(folder, seed=31,
+                                                                              qwen25=name == "qwen2_5_vl")
+    llm = LLM(str(path), device="cpu", kv_cache_tokens=1024)
+    return name, llm, _hf_processor(name, path, llm.engine.model.config)
+
+
+def _assert_same(name: str, ours, hf) -> None:
+    assert ours.prompt_token_ids == hf["input_ids"][0].tolist()
+    items = ours.mm_items
+    if name == "llava":
+        pixels = torch.stack([torch.as_tensor(it.pixel_values) for it in items])
+    else:
+        pixels = torch.cat([it.model_pixels() for it in items])
+        assert [list(it.grid_thw) for it in items] == hf["image_grid_thw"].tolist()
+    assert pixels.shape == hf["pixel_values"].shape
+    torch.testing.assert_close(pixels, hf["pixel_values"].to(pixels.dtype), atol=1e-2, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["one_image", "two_sizes", "adjacent"])
+def test_raw_prompt_matches_hf_processor(family, case) -> None:
+    name, llm, hf_processor = family
+    if case == "one_image":
+        text, sizes = PLACEHOLDER[name] + "What is this?", SIZES[1:2]
+    elif case == "two_sizes":
+        text, sizes = PLACEHOLDER[name] + "left, right: " + PLACEHOLDER[name] + "compare", SIZES[:2]
+    else:
+        text, sizes = BARE_PLACEHOLDER[name] * 3 + " compare", SIZES
+    images = [_image(size, seed) for seed, size in enumerate(sizes)]
+    ours = llm.engine.process_prompt({"prompt": text, "images": images})
+    hf = hf_processor(text=text, images=[Image.fromarray(a) for a in images], return_tensors="pt")
+    _assert_same(name, ours, hf)
+
+
+def test_chat_matches_hf_processor(family) -> None:
+    name, llm, hf_processor = family
+    images = [_image(size, 10 + seed) for seed, size in enumerate(SIZES[:2])]
+    content = [{"type": "text", "text": "Two pictures:"}, {"type": "image"}, {"type": "image"},
+               {"type": "text", "text": "Which is brighter?"}]
+    text = hf_processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                            tokenize=False)
+    hf = hf_processor(text=text, images=[Image.fromarray(a) for a in images], return_tensors="pt",
+                      add_special_tokens=False)
+    ours_content = [part if part["type"] == "text" else {"type": "image", "image": images.pop(0)}
+                    for part in content]
+    ours = llm.engine.process_chat([{"role": "user", "content": ours_content}])
+    _assert_same(name, ours, hf)
