@@ -13,10 +13,18 @@ class InvalidRequestError(ValueError):
     """A request the engine refuses; the message names the problem. Other requests are unaffected."""
 
 
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this decode greedily. Dividing float32 logits by a tiny temperature overflows to inf
+(1e-39 is subnormal; anything under ~1e-38 turns logits of a few units into inf and the softmax into NaN), and
+already at 1e-5 a logit gap of 1e-3 is a factor e^-100 in probability, so sampling is the argmax except for
+near-exact ties: nothing is lost by switching to argmax, and 1e-5 leaves logits up to ~1e33 finite. The same
+cut-off as the server's request parsing (and vLLM's)."""
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
-    """0 means greedy."""
+    """0 (or anything below GREEDY_TEMPERATURE) means greedy."""
     top_p: float = 1.0
     top_k: int = -1
     """-1 (or 0) disables top-k."""
@@ -37,7 +45,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Not `== 0`: a tiny positive temperature would turn the sampler's logits into inf/NaN.
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
         def bad(msg: str) -> InvalidRequestError:

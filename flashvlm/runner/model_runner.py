@@ -15,7 +15,7 @@ from flashvlm.config import EngineConfig
 from flashvlm.engine.sched_output import SchedulerOutput
 from flashvlm.layers.attention import ForwardContext
 from flashvlm.models.interfaces import VLModel
-from flashvlm.request import MMItem, Request
+from flashvlm.request import MMItem, Request, SamplingParams
 from flashvlm.runner.cuda_graph import DecodeGraphs
 from flashvlm.runner.inputs import (
     DecodeBatch,
@@ -160,7 +160,9 @@ class ModelRunner:
             embeds = self.model.embed_tokens(torch.zeros(n, dtype=torch.long, device=self.device))
             positions = torch.zeros((3, n) if self.model.uses_mrope else (n,), dtype=torch.long, device=self.device)
             hidden = self.model(embeds, positions, ctx)
-            self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs:])
+            logits = self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs:])
+            self._profile_sampler(logits)
+            del logits
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base - kv_bytes
         del ctx, embeds, hidden
@@ -179,13 +181,22 @@ class ModelRunner:
             peak = max(peak, vision_peak)
         return int(peak * 1.1)  # headroom for fragmentation
 
+    def _profile_sampler(self, logits: torch.Tensor) -> None:
+        """Sample every row with the costliest settings: top-p sorts the vocabulary and, with the penalty and
+        min-p, keeps about a dozen (rows, vocab) float32 tensors alive (13x the logits at 152k vocab, measured
+        on the H200), so a full batch of such requests must fit beside the KV cache."""
+        rows = logits.shape[0]
+        params = SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, repetition_penalty=1.1, min_tokens=1,
+                                max_tokens=2)
+        self.sampler(logits, [params] * rows, [[0, 1]] * rows, [0] * rows, [(0,)] * rows, [None] * rows)
+
     def graph_memory_reserve(self) -> int:
         """Memory kept out of the KV budget for the decode graphs' pool: logits and activations of the
         largest captured batch, with room to spare (the measured figure is logged after capture)."""
         if not self.use_cuda_graphs:
             return 0
         n = self.config.scheduler.max_num_seqs
-        decode = 256 * 2**20 + 3 * n * self.model.vocab_size * 4 + n * self.model.kv_cache_spec().num_layers * 2**16
+        decode = self._decode_graph_reserve()
         # The step graphs' pool holds one forward of their largest bucket: the activation profile of that many
         # tokens scaled from the full-budget profile would be exact; this bound (hidden states, packed MLP
         # output, logits) errs large.
@@ -194,6 +205,12 @@ class ModelRunner:
         # Vision graphs share one pool sized by the largest captured batch (VisionGraphs.max_patches patches).
         vision = 2**30 if self.config.vision_graphs > 0 and self.model.vision_graphable else 0
         return decode + step + vision
+
+    def _decode_graph_reserve(self) -> int:
+        # 128 KiB per sequence and layer: Qwen2-VL-7B's 35 graphs up to 256 sequences took 1,422 MiB on the H200
+        # (2026-11-29), above the 1,150 MiB that 64 KiB gave.
+        n = self.config.scheduler.max_num_seqs
+        return 256 * 2**20 + 3 * n * self.model.vocab_size * 4 + n * self.model.kv_cache_spec().num_layers * 2**17
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         spec = self.model.kv_cache_spec()
@@ -204,6 +221,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, sched.max_num_seqs,
                                        sched.max_model_len, self.block_size, self.device)
             self.graphs.capture()
+            if self.graphs.memory_bytes > self._decode_graph_reserve():
+                # The KV cache is already sized: say so rather than fail later under load.
+                logger.warning("the decode graphs took %.0f MiB, above the %.0f MiB kept for them; lower "
+                               "gpu_memory_utilization if steps run out of memory", self.graphs.memory_bytes / 2**20,
+                               self._decode_graph_reserve() / 2**20)
             if self.config.decode_lookahead:
                 self.pipeline = GreedyDecodePipeline(self.graphs, self.block_size, sched.max_model_len)
             if self.config.vision_graphs > 0 and self.model.vision_graphable:

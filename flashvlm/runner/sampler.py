@@ -184,6 +184,7 @@ class Sampler:
     ) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then one draw per row; every row here is non-greedy."""
         device = logits.device
+        # Finite: temperatures too small to divide by (below GREEDY_TEMPERATURE) count as greedy and never get here.
         temperature = _to_device([float(p.temperature) for p in params], torch.float32, device)
         logits = logits / temperature.unsqueeze(1)
 

@@ -177,6 +177,60 @@ def test_decode_graphs_staging_gives_the_eager_tokens(tmp_path) -> None:
     assert 3 in sizes and any(s < 3 for s in sizes), sizes  # padded to 4, and smaller batches as requests end
 
 
+def _record_kv_at_finish(llm: LLM) -> dict[tuple[int, ...], list[torch.Tensor]]:
+    """Each finished request's K/V (every layer, every token it computed), copied as its blocks are released and
+    keyed by its prompt: slots differ between two engines whose steps are scheduled differently, positions don't."""
+    runner, scheduler = llm.engine.runner, llm.engine.scheduler
+    blocks, block_size = scheduler.block_manager, runner.block_size
+    kv: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    forget = blocks.forget
+
+    def copy_then_forget(request_id: str) -> None:
+        req = scheduler.requests[request_id]
+        slots = torch.tensor([b * block_size + j for b in blocks.get_block_ids(request_id) for j in range(block_size)])
+        slots = slots[: req.num_computed_tokens].to(runner.device)
+        kv[tuple(req.prompt_token_ids)] = [cache.flatten(1, 2)[:, slots].cpu() for cache in runner.kv_caches]
+        forget(request_id)
+
+    blocks.forget = copy_then_forget
+    return kv
+
+
+def test_decode_graphs_padding_a_row_a_finished_request_left(tmp_path) -> None:
+    """Four requests decode in the 4-row graph; the second finishes first, so the next steps pad 3 rows to 4 with
+    a row whose staging entries (both mirrors) still hold the last request's earlier slots. The padding row must
+    write nothing there: the tokens, and every request's K/V in every layer, equal the eager path's. (The K/V is
+    the sharper check: a padding row's garbage lands in a later layer's cache of a live request, which this tiny
+    model's greedy tokens may shrug off.)"""
+    path = str(build_qwen2_vl(tmp_path / "m", seed=8))
+    prompts = [*_three_prompts(6), {"prompt": "Four, the last one."}]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (9, 4, 9, 9)]
+    eager = LLM(path, enforce_eager=True, **DECODE_OPTS)
+    expected_kv = _record_kv_at_finish(eager)
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+    llm = LLM(path, decode_lookahead=False, **DECODE_OPTS)  # on CUDA the lookahead would bypass graphs.run
+    _decode_graphs_on_cpu(llm, lookahead=False)
+    kv = _record_kv_at_finish(llm)
+    graphs = llm.engine.runner.graphs
+    sizes = []
+    run = graphs.run
+
+    def counting_run(batch):
+        sizes.append(batch.num_seqs)
+        return run(batch)
+
+    graphs.run = counting_run
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    # The scenario happened: a 4-row step (row 3 staged with a real slot), then several padded 3-row steps, so the
+    # mirror that staged it is reused for a padded step.
+    assert 4 in sizes and sizes.count(3) >= 2 and sizes.index(3) > sizes.index(4), sizes
+    assert graphs.padded_size(3) == 4
+    assert kv.keys() == expected_kv.keys() and len(kv) == len(prompts)
+    for prompt, layers in expected_kv.items():
+        for layer, (got, want) in enumerate(zip(kv[prompt], layers, strict=True)):
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3, msg=lambda m, i=layer: f"layer {i}: {m}")
+
+
 def test_greedy_lookahead_gives_the_eager_tokens(tmp_path) -> None:
     """Greedy decode through the lookahead pipeline (each step launched before the previous one's tokens are
     read, with those tokens fed on the device) gives the eager tokens: across requests of different lengths,

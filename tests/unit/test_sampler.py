@@ -211,3 +211,118 @@ def test_temperature_sampling_distribution() -> None:
 def test_empty_batch() -> None:
     out = run(Sampler(), torch.zeros(0, 10), [])
     assert out.shape == (0,) and out.dtype == torch.int64
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_near_zero_temperature_is_greedy(device: str) -> None:
+    # validate() accepts any temperature > 0, but logits / 1e-39 overflow to inf, the softmax to NaN, and the
+    # argmax of NaNs is token 0; such rows must decode greedily, alone and next to rows that really sample.
+    row = torch.tensor([1.0, 5.0, 2.0, -3.0], device=device)
+    tiny = [SamplingParams(temperature=t) for t in (1e-39, 1e-45, 1e-6)] + [SamplingParams(temperature=1e-39, seed=3)]
+    assert all(p.greedy for p in tiny)
+    gens = [make_generator(p.seed, device) for p in tiny]
+    alone = run(Sampler(), row.expand(len(tiny), -1).contiguous(), tiny, gens=gens)
+    assert alone.tolist() == [1] * len(tiny)
+    mixed = [SamplingParams(temperature=0.8), tiny[0], SamplingParams(top_p=0.9, seed=5), tiny[1],
+             SamplingParams(temperature=0.0), tiny[3]]
+    gens = [make_generator(p.seed, device) for p in mixed]
+    out = run(Sampler(torch.Generator(device).manual_seed(0)), row.expand(len(mixed), -1).contiguous(), mixed,
+              gens=gens)
+    assert out[[1, 3, 4, 5]].tolist() == [1, 1, 1, 1]
+    assert ((out >= 0) & (out < 4)).all()
+
+
+# One batch of rows that share nothing: each row's temperature, filters, repetition penalty and generator are
+# its own. Seeded rows sit at 0 and 3 (not symmetric, so a reversed or shifted generator list is caught), greedy
+# rows between them, an unseeded row (the shared RNG) last. Every penalty differs, so no single one fits all.
+_PER_ROW_PARAMS = [
+    SamplingParams(temperature=0.7, top_k=20, repetition_penalty=1.3, seed=11),
+    SamplingParams(temperature=0.0, repetition_penalty=2.0),
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=1.6, top_p=0.8, repetition_penalty=0.8, seed=22),
+    SamplingParams(temperature=1.0, top_k=50, min_p=0.05, repetition_penalty=1.15),
+]
+# With the greedy rows sampling instead, the batch takes the all-random path (no index_select of rows).
+_PER_ROW_PARAMS_ALL_RANDOM = [_PER_ROW_PARAMS[0], SamplingParams(temperature=1.2, repetition_penalty=2.0),
+                              SamplingParams(temperature=0.9), *_PER_ROW_PARAMS[3:]]
+# Row 1's greedy token is 7 (logit 5.0, already seen) unless its penalty of 2.0 pushes it below token 8 (3.5);
+# 1.3, 1.15 or 0.8 in its place would leave 7 on top.
+_PENALISED_TOKEN, _RUNNER_UP = 7, 8
+
+
+def _per_row_step(step: int, vocab: int, device: str) -> tuple[torch.Tensor, list[list[int]]]:
+    """Logits of one step for the 5 rows above, and each row's previous tokens: the ten likeliest tokens, so
+    that the repetition penalty moves a large share of the probability."""
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(100 + step)) * 1.5
+    logits[1].clamp_(max=3.0)
+    logits[1, _PENALISED_TOKEN], logits[1, _RUNNER_UP] = 5.0, 3.5
+    prev = [logits[i].topk(10).indices.tolist() for i in range(5)]
+    prev[1] = [_PENALISED_TOKEN, 3, 9]
+    return logits.to(device), prev
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", [_PER_ROW_PARAMS, _PER_ROW_PARAMS_ALL_RANDOM], ids=["mixed", "all_random"])
+def test_each_row_of_a_batch_samples_as_if_alone(device: str, params: list[SamplingParams]) -> None:
+    vocab, steps = 300, 16
+    exact_rows = [i for i, p in enumerate(params) if p.greedy or p.seed is not None]
+    batch_gens = [make_generator(p.seed, device) for p in params]
+    alone_gens = [make_generator(p.seed, device) for p in params]  # same seeds, separate streams
+    batch_sampler, alone_sampler = Sampler(torch.Generator(device).manual_seed(0)), Sampler()
+    batched: list[list[int]] = []
+    alone: list[list[int]] = []
+    for step in range(steps):
+        logits, prev = _per_row_step(step, vocab, device)
+        batched.append(run(batch_sampler, logits, params, prev, gens=batch_gens).tolist())
+        alone.append([int(run(alone_sampler, logits[i : i + 1], [params[i]], [prev[i]], gens=[alone_gens[i]]))
+                      for i in exact_rows])
+    for j, i in enumerate(exact_rows):
+        assert [tokens[i] for tokens in batched] == [tokens[j] for tokens in alone], f"row {i}"
+    for i, p in enumerate(params):
+        if p.seed is not None:  # the seeded streams really vary, so they could tell generators apart
+            assert len({tokens[i] for tokens in batched}) > steps // 2
+    if params[1].greedy:
+        assert all(tokens[1] == _RUNNER_UP for tokens in batched)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_temperature_applies_per_row(device: str) -> None:
+    """Rows of one batch at different temperatures (and a greedy one) each follow their own softmax(logits / T).
+    The shared generator is seeded, so the verdict is fixed; the bound (chi2 < 40 at df=5, p < 1e-7 for a
+    correct sampler) is still far below what a wrong temperature gives (thousands at these counts)."""
+    base = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 2.0])
+    temperatures = [0.5, 0.0, 2.0, 1.0]
+    n = 8000
+    params = [SamplingParams(temperature=t) for t in temperatures] * n  # interleaved: row i has temperatures[i % 4]
+    logits = base.to(device).expand(len(params), -1).contiguous()
+    out = run(Sampler(torch.Generator(device).manual_seed(7)), logits, params).cpu()
+    for j, temperature in enumerate(temperatures):
+        tokens = out[j :: len(temperatures)]
+        if temperature == 0.0:
+            assert (tokens == int(base.argmax())).all()
+            continue
+        counts = torch.bincount(tokens, minlength=6).double()
+        expected = (base.double() / temperature).softmax(-1) * n
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 40.0, (temperature, chi2)
+
+
+@pytest.mark.parametrize(
+    ("probs", "top_p", "num_kept"),
+    [
+        ([0.5, 0.25, 0.25], 0.75, 2),  # the mass of {0, one of the tied tokens} is exactly top_p
+        ([0.5, 0.25, 0.125, 0.0625, 0.0625], 0.75, 2),  # the same, without a tie at the boundary
+        ([0.5, 0.25, 0.125, 0.0625, 0.0625], 0.5, 1),  # the top token alone reaches top_p
+    ],
+)
+def test_top_p_boundary_matches_transformers(probs: list[float], top_p: float, num_kept: int) -> None:
+    """Top-p keeps the smallest prefix whose mass reaches top_p: a prefix whose mass equals top_p exactly is
+    enough, the next token goes. Dyadic probabilities make the sums exact in float32."""
+    logits = torch.tensor(probs).log()
+    assert top_p in logits.softmax(-1).sort(descending=True).values.cumsum(-1).tolist()  # really on the boundary
+    ref = TopPLogitsWarper(top_p)(torch.zeros(1, 1, dtype=torch.long), logits.unsqueeze(0))[0]
+    kept = torch.isfinite(ref).nonzero().flatten().tolist()
+    assert len(kept) == num_kept
+    seen = set(_draws(SamplingParams(top_p=top_p), probs).tolist())
+    # Which of two tied tokens is cut depends on the sort, in transformers as here: compare the kept probabilities.
+    assert sorted(probs[i] for i in seen) == sorted(probs[i] for i in kept)
