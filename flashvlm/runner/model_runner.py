@@ -135,7 +135,11 @@ class ModelRunner:
             return tokens // self.block_size + 2
         free, total = torch.cuda.mem_get_info(self.device)
         peak = self.profile_peak_memory(vision_items() if vision_items is not None else [])
-        budget = total * cache.gpu_memory_utilization - (total - free) - peak - self.graph_memory_reserve()
+        # Cached image embeddings (runner.encoder_outputs) live beside the KV cache, up to the encoder cache's budget.
+        hidden = self.model.language_model.embed_tokens.embedding_dim
+        embeddings = cache.encoder_cache_tokens * hidden * torch.empty((), dtype=self.dtype).element_size()
+        budget = (total * cache.gpu_memory_utilization - (total - free) - peak - self.graph_memory_reserve()
+                  - embeddings)
         num_blocks = int(budget // self.kv_bytes_per_block())
         if num_blocks < 2:
             raise RuntimeError(f"no memory left for the KV cache: {total / 2**30:.1f} GiB total, "
