@@ -99,20 +99,18 @@ def _check_clip_input_size(checkpoint: Checkpoint) -> None:
     from flashvlm.processing.preprocess import ClipImageProcessor
 
     cfg = checkpoint.hf_config
-    image_size, patch_size = cfg.vision_config.image_size, cfg.vision_config.patch_size
-    strategy = getattr(cfg, "vision_feature_select_strategy", "default")
-    expected_tokens = (image_size // patch_size) ** 2 + (1 if strategy == "full" else 0)
+    image_size = cfg.vision_config.image_size
     try:
         proc = ClipImageProcessor.from_config(checkpoint.preprocessor_config)
-        tokens = proc.num_image_tokens(patch_size, strategy)
+        proc.num_image_tokens(cfg.vision_config.patch_size)  # raises when the size depends on each image
     except ValueError as e:
         raise ConfigError(f"{checkpoint.path}: image processor config does not fit the LLaVA model: {e}") from e
-    if proc.output_hw(image_size, image_size) != (image_size, image_size) or tokens != expected_tokens:
-        height, width = proc.output_hw(image_size, image_size)
+    height, width = proc.output_hw(image_size, image_size)
+    if (height, width) != (image_size, image_size):
         raise ConfigError(
-            f"{checkpoint.path}: the image processor makes {height}x{width} images ({tokens} tokens each) but the "
-            f"vision tower takes {image_size}x{image_size} (vision_config.image_size, {expected_tokens} tokens); "
-            "fix crop_size/size in preprocessor_config.json (or processor_config.json's image_processor)")
+            f"{checkpoint.path}: the image processor makes {height}x{width} images but the vision tower takes "
+            f"{image_size}x{image_size} (vision_config.image_size); fix crop_size/size in preprocessor_config.json "
+            "(or processor_config.json's image_processor)")
 
 
 def _read_json(path: Path) -> dict:

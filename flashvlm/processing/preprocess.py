@@ -33,9 +33,11 @@ __all__ = [
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _BICUBIC = int(Image.Resampling.BICUBIC)
-_MAX_ASPECT_RATIO = 200
-_MAX_PAD_CANVAS_PIXELS = 8192 * 8192
-"""LLaVA's pad-to-square canvas (3 bytes a pixel) before it shrinks to 336x336: 200 MB at most."""
+MAX_ASPECT_RATIO = 200
+"""Refused above this (either family): the Qwen rule HF applies, and slivers whose resize would take gigabytes."""
+_MAX_PAD_CANVAS_PIXELS = 16384 * 16384
+"""LLaVA's pad-to-square canvas (3 bytes a pixel) before it shrinks to 336x336: 800 MB at most, which still takes
+a 50-megapixel photo (the server's default image limit) of aspect ratio up to 5."""
 
 
 def check_image_shape(height: int, width: int) -> None:
@@ -44,9 +46,9 @@ def check_image_shape(height: int, width: int) -> None:
     if height <= 0 or width <= 0:
         raise InvalidRequestError(f"zero-size image: {width}x{height} (width x height)")
     ratio = max(height, width) / min(height, width)
-    if ratio > _MAX_ASPECT_RATIO:
+    if ratio > MAX_ASPECT_RATIO:
         raise InvalidRequestError(
-            f"image aspect ratio {ratio:.1f} ({width}x{height}) exceeds the limit of {_MAX_ASPECT_RATIO}"
+            f"image aspect ratio {ratio:.1f} ({width}x{height}) exceeds the limit of {MAX_ASPECT_RATIO}"
         )
 
 

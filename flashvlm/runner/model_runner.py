@@ -144,7 +144,7 @@ class ModelRunner:
         if num_blocks < 2:
             raise RuntimeError(f"no memory left for the KV cache: {total / 2**30:.1f} GiB total, "
                                f"{(total - free) / 2**30:.1f} GiB in use, activation peak {peak / 2**30:.1f} GiB; "
-                               "raise gpu_memory_utilization or lower max_num_batched_tokens")
+                               "raise gpu_memory_utilization or lower max_num_batched_tokens or encoder_cache_tokens")
         logger.info("KV cache: %d blocks (%d tokens), activation peak %.2f GiB", num_blocks,
                     num_blocks * self.block_size, peak / 2**30)
         return num_blocks
@@ -192,7 +192,10 @@ class ModelRunner:
         rows = logits.shape[0]
         params = SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, repetition_penalty=1.1, min_tokens=1,
                                 max_tokens=2)
-        self.sampler(logits, [params] * rows, [[0, 1]] * rows, [0] * rows, [(0,)] * rows, [None] * rows)
+        # Throwaway generators: the engine's default one (seeded by --seed) must give unseeded requests the same
+        # draws whether or not the engine profiled.
+        scratch = [torch.Generator(self.device) for _ in range(rows)]
+        self.sampler(logits, [params] * rows, [[0, 1]] * rows, [0] * rows, [(0,)] * rows, scratch)
 
     def graph_memory_reserve(self) -> int:
         """Memory kept out of the KV budget for the decode graphs' pool: logits and activations of the
@@ -225,11 +228,12 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, sched.max_num_seqs,
                                        sched.max_model_len, self.block_size, self.device)
             self.graphs.capture()
-            if self.graphs.memory_bytes > self._decode_graph_reserve():
+            reserve = self._decode_graph_reserve()
+            if self.graphs.memory_bytes > reserve:
                 # The KV cache is already sized: say so rather than fail later under load.
                 logger.warning("the decode graphs took %.0f MiB, above the %.0f MiB kept for them; lower "
                                "gpu_memory_utilization if steps run out of memory", self.graphs.memory_bytes / 2**20,
-                               self._decode_graph_reserve() / 2**20)
+                               reserve / 2**20)
             if self.config.decode_lookahead:
                 self.pipeline = GreedyDecodePipeline(self.graphs, self.block_size, sched.max_model_len)
             if self.config.vision_graphs > 0 and self.model.vision_graphable:

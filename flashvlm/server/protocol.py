@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-from flashvlm.request import GREEDY_TEMPERATURE, SamplingParams
+from flashvlm.request import SamplingParams
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # The detokenizer searches every stop string after every token, so a request's stop strings cost the whole batch;
@@ -59,11 +59,15 @@ class _NullMeansDefault(BaseModel):
     """OpenAI marks most optional fields nullable and its clients send explicit nulls; a null here means the
     field's default, so `"n": null` is `n=1` (and does not count as set, e.g. for `priority`)."""
 
+    NULL_IS_A_VALUE: ClassVar[frozenset[str]] = frozenset()
+    """Fields where null means something other than the default (completions' max_tokens: no limit)."""
+
     @model_validator(mode="before")
     @classmethod
     def _drop_nulls(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in cls.model_fields or k in cls.NULL_IS_A_VALUE}
         return data
 
 
@@ -204,7 +208,8 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
         description="one prompt: text, or token ids (a list of one prompt is accepted too)")
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, description="16 when left out; null: the rest of the context")
+    NULL_IS_A_VALUE: ClassVar[frozenset[str]] = frozenset({"max_tokens"})  # as OpenAI and vLLM read it
     echo: bool = Field(False, description="not supported")
     suffix: str | None = Field(None, description="not supported")
     best_of: int | None = Field(None, description="only 1 is supported")
@@ -282,8 +287,6 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, defaults:
         value = getattr(req, name)
         if value is not None:
             fields[name] = value
-    if fields.get("temperature") is not None and fields["temperature"] < GREEDY_TEMPERATURE:
-        fields["temperature"] = 0.0
     if req.stop is not None:
         fields["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     if req.stop_token_ids is not None:

@@ -229,3 +229,15 @@ def test_unseeded_sampling_uses_the_engine_generator(ckpt) -> None:
     llm = LLM(str(ckpt), device="cpu", kv_cache_tokens=1024, seed=3)
     torch.rand(1000)  # other code using torch's global RNG must not change the engine's samples
     assert llm.generate("Tell me", params)[0].token_ids == a
+
+
+def test_memory_profile_sampling_leaves_the_engine_generator_alone(ckpt) -> None:
+    """The GPU profile samples a full batch to measure the sampler's memory; unseeded requests must get the same
+    draws from the engine's seeded generator whether or not it ran (CPU engines skip the profile)."""
+    import torch
+
+    runner = LLM(str(ckpt), device="cpu", kv_cache_tokens=1024).engine.runner
+    before = runner.sampler.default_generator.get_state().clone()
+    logits = torch.randn(runner.config.scheduler.max_num_seqs, runner.model.vocab_size)
+    runner._profile_sampler(logits)
+    assert torch.equal(runner.sampler.default_generator.get_state(), before)

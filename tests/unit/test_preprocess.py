@@ -168,7 +168,7 @@ def test_clip_sliver_images_refused_before_resizing(do_pad: bool) -> None:
 
 def test_clip_pad_canvas_bounded() -> None:
     with pytest.raises(InvalidRequestError, match="square"):
-        ClipImageProcessor(do_pad=True).preprocess(Image.new("RGB", (9000, 100)))
+        ClipImageProcessor(do_pad=True).preprocess(Image.new("RGB", (17000, 100)))
 
 
 def test_smart_resize_matches_hf_on_many_sizes() -> None:

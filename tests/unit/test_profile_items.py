@@ -7,8 +7,8 @@ import math
 import pytest
 
 from flashvlm import LLM
-from flashvlm.processing.input_processor import largest_qwen_grid, qwen_target_size
 from flashvlm.processing.preprocess import QwenImageProcessor
+from flashvlm.processing.qwen_grid import PATCH_SLACK, largest_qwen_grid, qwen_target_size
 from flashvlm.request import InvalidRequestError
 from flashvlm.testing.tiny_checkpoints import build_llava, build_qwen2_vl
 
@@ -63,7 +63,8 @@ def test_no_accepted_image_has_more_patches_than_the_profile(config) -> None:
                 refused += 1
                 continue
             most[lo, hi] = max(most[lo, hi], th * tw // proc.patch_size ** 2)
-    assert max(most.values()) <= gh * gw
+    assert max(most[None, None], most[None, ceiling]) <= gh * gw  # the configured min_pixels: never past it
+    assert max(most.values()) <= gh * gw * PATCH_SLACK  # a request's own min_pixels: within the profile's headroom
     assert most[None, None] >= 0.99 * gh * gw or most[None, ceiling] >= 0.99 * gh * gw  # and it is not loose
     assert refused or proc.min_pixels == ceiling  # min = max: nothing to raise min_pixels to
 
@@ -89,3 +90,16 @@ def test_configured_upscale_past_max_pixels_is_profiled_and_a_requested_one_refu
     assert proc.grid_thw(3, 426, proc.max_pixels, proc.max_pixels)[1:] == (8, 854)  # 6832 patches > 5120
     with pytest.raises(InvalidRequestError, match="lower min_pixels"):
         qwen_target_size(proc, 3, 426, proc.max_pixels, proc.max_pixels)
+
+
+@pytest.mark.parametrize("width,height", [(640, 480), (800, 600), (1024, 768), (1920, 1080), (480, 640)])
+def test_ordinary_photos_grown_to_the_largest_min_pixels_are_served(width: int, height: int) -> None:
+    """min_pixels = max_pixels at the limit grows a photo a few percent past the planned grid (both sides round
+    up), inside the profile's headroom: served, as before the profile planned for the largest grid."""
+    proc = QwenImageProcessor()
+    th, tw = qwen_target_size(proc, height, width, proc.max_pixels, proc.max_pixels)
+    _, gh, gw = largest_qwen_grid(proc)
+    patches = th * tw // proc.patch_size ** 2
+    assert patches <= gh * gw * PATCH_SLACK
+    if (width, height) == (640, 480):  # the case: past the planned grid (1,302 windows for 1,280), yet served
+        assert patches > gh * gw
