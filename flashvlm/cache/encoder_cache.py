@@ -123,16 +123,13 @@ class EncoderCacheManager:
     def discard(self, mm_hash: str) -> None:
         """Forget an entry whose embedding was never made (its encode failed), with every reference to it: a
         request that still needs the image encodes it again."""
-        entry = self._entries.pop(mm_hash, None)
+        entry = self._entries.get(mm_hash)
         if entry is None:
             return
-        self._num_tokens -= entry.num_tokens
-        self._freeable.pop(mm_hash, None)
-        for request_id in entry.users:
-            hashes = self._by_request[request_id]
-            hashes.discard(mm_hash)
-            if not hashes:
-                del self._by_request[request_id]
+        for request_id in list(entry.users):
+            self.release(request_id, mm_hash)
+        del self._freeable[mm_hash]  # the last release made it freeable
+        self._num_tokens -= self._entries.pop(mm_hash).num_tokens
 
     def pop_freeable(self) -> list[str]:
         """Evict and return the embeddings the runner should drop now: least-recently-released

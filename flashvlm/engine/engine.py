@@ -185,10 +185,6 @@ class Engine:
                 stop = tracked.detokenizer.stopped_by
                 if stop is not None and not req.is_finished:
                     self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
-                elif stop is not None and req.status is not RequestStatus.FINISHED_ABORTED:
-                    # The same token also hit max_tokens (or eos): the stop string wins, as in vLLM. The
-                    # scheduler has already let go of the request, so only its reported outcome changes.
-                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
             if req.is_finished:
                 outputs.append(self._finish_output(tracked))
             else:
@@ -261,8 +257,10 @@ class Engine:
         tracked.detokenizer.flush()
         req = tracked.request
         stop = tracked.detokenizer.stopped_by
-        if stop is not None and req.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_ABORTED):
-            # Found only now: the last token ended mid-character, so its text was held back until the flush.
+        if stop is not None and req.status is not RequestStatus.FINISHED_ABORTED:
+            # A stop string wins over max_tokens or eos hit by the same token (as in vLLM), or found only by the
+            # flush (the last token ended mid-character). The scheduler has let go of the request already, so
+            # only its reported outcome changes.
             req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         req.detokenize_s += time.perf_counter() - t0
         self._tracked.pop(req.request_id, None)

@@ -192,10 +192,12 @@ class ModelRunner:
         rows = logits.shape[0]
         params = SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, repetition_penalty=1.1, min_tokens=1,
                                 max_tokens=2)
-        # Throwaway generators: the engine's default one (seeded by --seed) must give unseeded requests the same
-        # draws whether or not the engine profiled.
-        scratch = [torch.Generator(self.device) for _ in range(rows)]
-        self.sampler(logits, [params] * rows, [[0, 1]] * rows, [0] * rows, [(0,)] * rows, scratch)
+        # The engine's generator (seeded by --seed) must give unseeded requests the same draws whether or not the
+        # engine profiled: its state is put back.
+        generator = self.sampler.default_generator
+        state = generator.get_state()
+        self.sampler(logits, [params] * rows, [[0, 1]] * rows, [0] * rows, [(0,)] * rows, [None] * rows)
+        generator.set_state(state)
 
     def graph_memory_reserve(self) -> int:
         """Memory kept out of the KV budget for the decode graphs' pool: logits and activations of the

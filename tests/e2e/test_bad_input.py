@@ -162,14 +162,19 @@ def test_not_a_checkpoint(tmp_path) -> None:
         LLM(str(tmp_path), device="cpu")
 
 
-def test_stop_string_found_at_the_final_flush_reports_stop(llm: LLM, monkeypatch) -> None:
-    """The last token ends mid-character, so its text is held back until the request finishes (max_tokens);
-    the flush then completes a stop string: the text is cut and the outcome is "stop", not "length"."""
-    tok = llm.engine.tokenizer
-    script = iter([tok.convert_tokens_to_ids("e"), tok.convert_tokens_to_ids("Ã")])  # "Ã": byte 0xC3, half a char
+@pytest.mark.parametrize("tokens,stop,text", [
+    # The token that reaches max_tokens also completes the stop string: the stop string wins, as in vLLM.
+    (["a", "e"], "e", "a"),
+    # The last token ends mid-character ("Ã" is byte 0xC3), so its text is held back until the request finishes;
+    # the flush then completes the stop string: the text is cut and the outcome is "stop", not "length".
+    (["e", "Ã"], "e\ufffd", ""),
+], ids=["same-token", "at-the-flush"])
+def test_stop_string_on_the_last_allowed_token_reports_stop(llm: LLM, monkeypatch, tokens: list[str], stop: str,
+                                                            text: str) -> None:
+    script = iter(llm.engine.tokenizer.convert_tokens_to_ids(tokens))
     monkeypatch.setattr(llm.engine.runner, "execute",
                         lambda out: {s.request.request_id: next(script) for s in out.scheduled if s.samples})
-    out = llm.generate({"prompt": "say e"}, SamplingParams(max_tokens=2, ignore_eos=True, stop=["e\ufffd"]))[0]
-    assert (out.text, out.finish_reason, out.stop_reason) == ("", "stop", "e\ufffd")
+    out = llm.generate({"prompt": "say e"}, SamplingParams(max_tokens=2, ignore_eos=True, stop=[stop]))[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (text, "stop", stop)
     monkeypatch.undo()
     _still_works(llm)
