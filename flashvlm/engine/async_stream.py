@@ -1,29 +1,17 @@
 """The parts of `AsyncEngine` beside the stepping thread: a request's output slot and the async iterator over it,
-the admission bound, and the errors the async engine raises."""
+the interface of an admission bound (the server's is flashvlm.server.admission.Admission), and the errors the
+async engine raises."""
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from flashvlm.request import RequestOutput
 
 ACCEPTED = object()
 """Pushed to a request's slot once the engine thread has added it."""
-
-
-class QueueFullError(RuntimeError):
-    """Admission control refused a request: too many are already waiting. Retry after `retry_after_s`."""
-
-    def __init__(self, retry_after_s: float, num_waiting: int, limit: int) -> None:
-        super().__init__(f"the server is overloaded: {num_waiting} requests are waiting (limit {limit}); "
-                         f"retry after {retry_after_s:.0f} s")
-        self.retry_after_s = retry_after_s
-        self.num_waiting = num_waiting
-        self.limit = limit
 
 
 class EngineStepError(RuntimeError):
@@ -34,16 +22,40 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped (shutdown or a fatal error); no request can be served."""
 
 
+class AdmissionTicket(Protocol):
+    """A place a request holds among the waiting requests, from before its preprocessing."""
+
+    priority: int
+
+    def submit(self) -> None:
+        """The request is handed to the engine thread."""
+
+    def release(self) -> None:
+        """The request was dropped before that (no-op once submitted)."""
+
+
+class AdmissionGate(Protocol):
+    """A bound on waiting requests that AsyncEngine keeps informed. `reserve` raises to refuse a request;
+    `update_engine` and `record_finished` are called on the engine thread."""
+
+    def reserve(self, priority: int) -> AdmissionTicket: ...
+
+    def update_engine(self, waiting_by_priority: dict[int, int], applied: list[int]) -> None:
+        """The scheduler's waiting counts by priority now, and the priorities of the adds just applied."""
+
+    def record_finished(self, n: int) -> None: ...
+
+    def stats(self) -> dict[str, int]: ...
+
 
 class OutputSlot:
     """Loop-side state of one request. Written only on its event loop (pushes arrive via call_soon_threadsafe)."""
 
-    __slots__ = ("request_id", "loop", "tier", "event", "latest", "error", "accepted", "done", "token_times")
+    __slots__ = ("request_id", "loop", "event", "latest", "error", "accepted", "done", "token_times")
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, tier: str | None) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.loop = loop
-        self.tier = tier
         self.event = asyncio.Event()
         self.latest: RequestOutput | None = None
         self.error: BaseException | None = None
@@ -116,102 +128,3 @@ class RequestStream:
 
     async def __aexit__(self, *exc: object) -> None:
         self.close()
-
-
-class AdmissionSlot:
-    """A reserved place among the waiting requests (see AsyncEngine.reserve)."""
-
-    def __init__(self, priority: int, release: Callable[[int], None]) -> None:
-        self.priority = priority
-        self.active = True
-        self._release = release
-
-    def release(self) -> None:
-        """Give the place back unless add_request consumed it. Idempotent."""
-        if self.active:
-            self.active = False
-            self._release(self.priority)
-
-
-class Admission:
-    """The waiting bound. A request counts from `reserve` (before preprocessing) until the scheduler first runs
-    it (and again while preempted), wherever it is meanwhile: being preprocessed (`preparing`), queued for the
-    engine thread (`pending`), or in the scheduler's waiting queue (`engine_waiting`). Counts are by priority,
-    so a policy can bound the requests ahead of a new one rather than the total. Thread-safe.
-
-    `policy`: an object with `check(num_waiting, num_ahead) -> retry_after_s | None` (and optionally
-    `record_finished(n)`), e.g. flashvlm.engine.sla.AdmissionController; without one, at most `max_waiting`
-    requests wait in total and Retry-After comes from `estimate_retry(num_waiting)`.
-    """
-
-    def __init__(self, max_waiting: int, policy: Any, estimate_retry: Callable[[int], float]) -> None:
-        if max_waiting < 1:
-            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting}")
-        self.max_waiting = max_waiting
-        self.policy = policy
-        self._estimate_retry = estimate_retry
-        self._lock = threading.Lock()
-        self._preparing: collections.Counter[int] = collections.Counter()
-        self._pending: collections.Counter[int] = collections.Counter()
-        self._engine_waiting: dict[int, int] = {}
-        self.peak_queued = 0
-        self.rejected = 0
-
-    def _queued(self) -> int:
-        return sum(self._preparing.values()) + sum(self._pending.values()) + sum(self._engine_waiting.values())
-
-    def _ahead_of(self, priority: int) -> int:
-        # Lower value = served first, so everything of this priority or lower is ahead of a newcomer.
-        return sum(n for counts in (self._preparing, self._pending, self._engine_waiting)
-                   for p, n in counts.items() if p <= priority)
-
-    def _refuse_if_full(self, priority: int) -> None:
-        queued = self._queued()
-        if self.policy is not None:
-            retry = self.policy.check(queued, self._ahead_of(priority))
-        else:
-            retry = self._estimate_retry(queued) if queued >= self.max_waiting else None
-        if retry is not None:
-            self.rejected += 1
-            raise QueueFullError(float(retry), queued, self.max_waiting)
-
-    def check(self, priority: int) -> None:
-        with self._lock:
-            self._refuse_if_full(priority)
-
-    def reserve(self, priority: int) -> AdmissionSlot:
-        with self._lock:
-            self._refuse_if_full(priority)
-            self._preparing[priority] += 1
-            self.peak_queued = max(self.peak_queued, self._queued())
-        return AdmissionSlot(priority, self._release)
-
-    def _release(self, priority: int) -> None:
-        with self._lock:
-            self._preparing[priority] -= 1
-
-    def submit(self, slot: AdmissionSlot) -> None:
-        """The request behind `slot` is handed to the engine thread: preparing -> pending."""
-        with self._lock:
-            if not slot.active:
-                raise RuntimeError("this admission slot was already used or released")
-            slot.active = False
-            self._preparing[slot.priority] -= 1
-            self._pending[slot.priority] += 1
-
-    def update_engine(self, waiting_by_priority: dict[int, int], applied: list[int]) -> None:
-        """Engine thread: the scheduler's waiting counts now, and the priorities of the adds just applied. Both
-        change in one locked update, so no reservation in between sees those requests missing from both."""
-        with self._lock:
-            self._engine_waiting = waiting_by_priority
-            for priority in applied:
-                self._pending[priority] -= 1
-
-    def record_finished(self, n: int) -> None:
-        if n and self.policy is not None and hasattr(self.policy, "record_finished"):
-            self.policy.record_finished(n)
-
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            return {"num_queued": self._queued(), "peak_num_queued": self.peak_queued, "num_rejected": self.rejected,
-                    "max_waiting_requests": self.max_waiting}

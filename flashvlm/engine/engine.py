@@ -48,6 +48,7 @@ class Engine:
                                mc.max_model_len, max_len)
             max_len = mc.max_model_len
         config.scheduler.max_model_len = max_len
+        self.max_model_len = max_len
         self.dtype = resolve_dtype(mc, self.checkpoint.hf_config, config.device)
         self.model = load_model(mc, self.checkpoint, config.device, self.dtype)
         set_kernel_backend(self.model, config.kernel_backend)
@@ -148,15 +149,37 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def unfinished_request_ids(self) -> list[str]:
+        """Every request added and not yet finished (waiting, preempted or running)."""
+        return list(self.scheduler.requests)
+
+    def running_request_ids(self) -> list[str]:
+        return self.scheduler.running_request_ids()
+
+    def waiting_by_priority(self) -> dict[int, int]:
+        """Requests waiting for the scheduler (new or preempted), counted by priority."""
+        return self.scheduler.waiting_by_priority()
+
+    def running_groups(self) -> set[str]:
+        """The groups (the server's SLA tiers) with a request in the running batch."""
+        return self.scheduler.running_groups()
+
+    # ---- token budget --------------------------------------------------------------------------
+    @property
+    def token_budget(self) -> int:
+        """Tokens one step may schedule now (the configured max_num_batched_tokens unless set lower)."""
+        return self.scheduler.token_budget
+
+    def set_token_budget(self, num_tokens: int) -> int:
+        """Set the per-step token budget from the next step on, clamped to [1, max_num_batched_tokens]: activation
+        memory and CUDA graphs were sized for the configured budget. Returns the budget set."""
+        return self.scheduler.set_token_budget(num_tokens)
+
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step; returns an output for every request that got tokens or finished."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        now = time.time()
-        for s in out.scheduled:
-            if s.request.first_scheduled_time is None:
-                s.request.first_scheduled_time = now
         # An empty step still goes through update(): it reports requests the scheduler ended itself.
         if out.is_empty:
             self.runner.release(out)
@@ -170,7 +193,7 @@ class Engine:
         if timings.num_images:
             by_id = {s.request.request_id: s.request for s in out.scheduled}
             for rid in out.encoder_inputs:
-                by_id[rid].vision_s += timings.vision_s
+                self.scheduler.add_stage_times(by_id[rid], vision_s=timings.vision_s)
         changed = self.scheduler.update(out, sampled)
         outputs = []
         for req in changed:
@@ -181,7 +204,7 @@ class Engine:
             if new_tokens > 0:
                 t_detok = time.perf_counter()
                 tracked.detokenizer.append(req.output_token_ids[-new_tokens:])
-                req.detokenize_s += time.perf_counter() - t_detok
+                self.scheduler.add_stage_times(req, detokenize_s=time.perf_counter() - t_detok)
                 stop = tracked.detokenizer.stopped_by
                 if stop is not None and not req.is_finished:
                     self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
@@ -221,7 +244,7 @@ class Engine:
             "num_running": sched.num_running,
             "num_waiting": sched.num_waiting,
             "num_preemptions": sched.num_preemptions_total,
-            "token_budget": self.config.scheduler.max_num_batched_tokens,
+            "token_budget": self.scheduler.token_budget,
             "kv_cache_usage": bm.usage,
             "kv_num_blocks": bm.num_usable_blocks,
             "kv_free_blocks": bm.num_free_blocks,
@@ -259,10 +282,9 @@ class Engine:
         stop = tracked.detokenizer.stopped_by
         if stop is not None and req.status is not RequestStatus.FINISHED_ABORTED:
             # A stop string wins over max_tokens or eos hit by the same token (as in vLLM), or found only by the
-            # flush (the last token ended mid-character). The scheduler has let go of the request already, so
-            # only its reported outcome changes.
-            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-        req.detokenize_s += time.perf_counter() - t0
+            # flush (the last token ended mid-character).
+            self.scheduler.report_stop_string(req, stop)
+        self.scheduler.add_stage_times(req, detokenize_s=time.perf_counter() - t0)
         self._tracked.pop(req.request_id, None)
         self.runner.forget_request(req.request_id)
         output = self._make_output(tracked)

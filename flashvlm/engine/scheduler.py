@@ -18,33 +18,23 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from dataclasses import dataclass, field
 
-from flashvlm.cache.block_manager import BlockManager, KVBlock
+from flashvlm.cache.block_manager import BlockManager
 from flashvlm.cache.encoder_cache import EncoderCacheManager
 from flashvlm.config import SchedulerConfig
 from flashvlm.engine.sched_output import ScheduledRequest, SchedulerOutput
+from flashvlm.engine.sched_waiting import OrderKey, StepState, WaitingAdmission
 from flashvlm.request import Request, RequestStatus
 
 KV_CAPACITY_STOP_REASON = "kv_cache_capacity"
 """stop_reason of a request aborted because its tokens exceed the whole KV cache."""
 
-_OrderKey = tuple[int, float, int]
 
+class Scheduler(WaitingAdmission):
+    """Owns every unfinished request's state (status, computed tokens, block table through the block manager,
+    encoder-cache references) and the per-step token budget; nothing else writes them. Admission of waiting
+    requests is in engine/sched_waiting.py."""
 
-@dataclass
-class _StepState:
-    budget: int
-    num_new: dict[str, int] = field(default_factory=dict)
-    """request_id -> tokens this step; insertion order is batch order."""
-    preempted: set[str] = field(default_factory=set)
-    running_in: dict[str | None, int] = field(default_factory=dict)
-    """Running requests per group, counted once admission starts (preemptions keep it current)."""
-    capped: set[str] = field(default_factory=set)
-    """Waiting requests passed over only because their group is at its hard cap."""
-
-
-class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager,
                  encoder_cache: EncoderCacheManager) -> None:
         self.config = scheduler_config
@@ -56,7 +46,7 @@ class Scheduler:
         # of _running is the first preemption victim.
         self._waiting: list[Request] = []
         self._running: list[Request] = []
-        self._order: dict[str, _OrderKey] = {}
+        self._order: dict[str, OrderKey] = {}
         self._counter = itertools.count()
         self._left_since_last_step: list[str] = []
         # Requests the scheduler itself finished (KV capacity); update() reports them.
@@ -64,6 +54,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.num_images_skipped = 0
         """Images whose placeholders a prefix-cache hit covered entirely: no encoder run, no prefill."""
+        self._token_budget = scheduler_config.max_num_batched_tokens
 
     # ---- queue state -------------------------------------------------------------------
 
@@ -81,7 +72,32 @@ class Scheduler:
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
 
-    def _key(self, req: Request) -> _OrderKey:
+    def waiting_by_priority(self) -> dict[int, int]:
+        """How many requests wait (new or preempted) at each priority."""
+        counts: dict[int, int] = {}
+        for req in self._waiting:
+            counts[req.priority] = counts.get(req.priority, 0) + 1
+        return counts
+
+    def running_request_ids(self) -> list[str]:
+        return [req.request_id for req in self._running]
+
+    def running_groups(self) -> set[str]:
+        """The groups (SLA tiers) with a request in the running batch; requests without a group are left out."""
+        return {req.group for req in self._running if req.group is not None}
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens one step may schedule; starts at the configured max_num_batched_tokens."""
+        return self._token_budget
+
+    def set_token_budget(self, num_tokens: int) -> int:
+        """Change the per-step token budget from the next schedule() on; clamped to [1, max_num_batched_tokens]
+        (activation memory and CUDA graphs were sized for the configured budget). Returns the budget set."""
+        self._token_budget = max(1, min(int(num_tokens), self.config.max_num_batched_tokens))
+        return self._token_budget
+
+    def _key(self, req: Request) -> OrderKey:
         return self._order[req.request_id]
 
     def _remove(self, queue: list[Request], req: Request) -> None:
@@ -145,12 +161,26 @@ class Scheduler:
         del self._order[req.request_id]
         self._left_since_last_step.append(req.request_id)
 
+    def report_stop_string(self, req: Request, stop: str) -> None:
+        """A request this scheduler finished (max_tokens, eos) whose output also ends in a stop string, found by the
+        same token or only by the detokenizer's final flush: the stop string wins, as in vLLM. The request has
+        left the queues already, so only its reported outcome changes."""
+        if not req.is_finished or req.status is RequestStatus.FINISHED_ABORTED:
+            raise ValueError(f"request {req.request_id!r} is {req.status.value}: not finished by a stop condition")
+        req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+
+    def add_stage_times(self, req: Request, *, vision_s: float = 0.0, detokenize_s: float = 0.0) -> None:
+        """Add to a request's measured stage times (Request.stage_times): vision-tower time of a step that encoded
+        its images, detokenization time; the engine measures them."""
+        req.vision_s += vision_s
+        req.detokenize_s += detokenize_s
+
     def _abort_for_capacity(self, req: Request) -> None:
         req.stop_reason = KV_CAPACITY_STOP_REASON
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         self._finished_unreported.append(req)
 
-    def _preempt(self, req: Request, step: _StepState) -> None:
+    def _preempt(self, req: Request, step: StepState) -> None:
         self._remove(self._running, req)
         self.block_manager.free(req.request_id)
         self.encoder_cache.release_all(req.request_id)
@@ -170,7 +200,7 @@ class Scheduler:
     # ---- scheduling --------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        step = _StepState(budget=self.config.max_num_batched_tokens)
+        step = StepState(budget=self._token_budget)
         deferred: list[Request] = []
         self._schedule_running(step, deferred)
         # After a preemption the cache is full: admitting new work would only thrash.
@@ -185,12 +215,14 @@ class Scheduler:
 
         bm = self.block_manager
         scheduled = []
+        now = time.time()
         for rid, n in step.num_new.items():
             req = self.requests[rid]
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
             start = req.num_computed_tokens
             scheduled.append(ScheduledRequest(req, n, bm.get_block_ids(rid), start, start + n == req.num_tokens))
-        # Encoder work is decided last, once preemptions are settled, so nothing has to be undone;
-        # issue 5's encoder budget can clip chunks here.
+        # Encoder work is decided last, once preemptions are settled, so nothing has to be undone.
         encoder_inputs = self._schedule_encoder_inputs(scheduled)
         output = SchedulerOutput(
             scheduled=scheduled,
@@ -203,7 +235,7 @@ class Scheduler:
         self._left_since_last_step = []
         return output
 
-    def _schedule_running(self, step: _StepState, deferred: list[Request]) -> None:
+    def _schedule_running(self, step: StepState, deferred: list[Request]) -> None:
         """Tokens for running requests, in priority order. A request still prefilling whose priority is worse
         than the best waiting request's is deferred (appended to `deferred`) until after admission: a waiting
         gold request must not queue behind a running bronze prompt's next chunk. Decode tokens never wait."""
@@ -223,7 +255,7 @@ class Scheduler:
                 break  # it preempted itself: it was the tail, so nothing is left behind it
             i += 1
 
-    def _schedule_one_running(self, req: Request, step: _StepState) -> bool:
+    def _schedule_one_running(self, req: Request, step: StepState) -> bool:
         """Allocate this step's tokens for a running request, preempting from the tail (the lowest priority,
         latest arrival) while blocks run out. False if that preempted the request itself."""
         num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
@@ -242,120 +274,6 @@ class Scheduler:
                 return False
         step.num_new[req.request_id] = num_new
         step.budget -= num_new
-        return True
-
-    def _schedule_waiting(self, step: _StepState, may_wait: bool) -> None:
-        """Admit waiting requests in priority order. A group at its share (`share_running_per_group`) is passed
-        over in a first pass, so the slot goes to requests behind it, and admitted in a second pass if slots and
-        budget are left: shares are work-conserving. A borrowed slot is taken back (its request preempted) when
-        a better-priority request of a group within its share finds the batch full. Hard caps
-        (`max_running_per_group`) are never exceeded. `may_wait`: whether a request may wait for shared blocks in
-        flight; not while a prefilling request is deferred for a better waiting one, which may be the very
-        request computing those blocks (the waiter would wait on work it holds back)."""
-        if self.config.max_running_per_group or self.config.share_running_per_group:
-            for r in self._running:
-                step.running_in[r.group] = step.running_in.get(r.group, 0) + 1
-        if self._admit(step, borrow=False, may_wait=may_wait) and self.config.share_running_per_group:
-            self._admit(step, borrow=True, may_wait=may_wait)
-
-    def _admit(self, step: _StepState, borrow: bool, may_wait: bool) -> bool:
-        """One admission pass; False if it stopped at a request that cannot start (so nothing behind it may)."""
-        bm = self.block_manager
-        running_in = step.running_in
-        hard, share = self.config.max_running_per_group, self.config.share_running_per_group
-        i = 0
-        while i < len(self._waiting) and step.budget > 0:
-            full = len(self._running) >= self.config.max_num_seqs
-            if full and not share:
-                return False  # only taking back a borrowed slot could seat anyone, and nothing is lent
-            req = self._waiting[i]
-            if self._never_fits_now(req):
-                self._abort_for_capacity(req)
-                continue
-            if req.request_id in step.preempted:
-                return False  # evicted this very step; strict FCFS keeps everyone behind it waiting too
-            n = running_in.get(req.group, 0)
-            over_share = req.group in share and n >= share[req.group]
-            if req.group in hard and n >= hard[req.group]:
-                step.capped.add(req.request_id)
-                i += 1  # its group is full; that must not hold back other groups behind it
-                continue
-            if over_share and not borrow:
-                i += 1
-                continue
-            # Waiting requests (new or preempted) hold no blocks and have num_computed_tokens == 0.
-            prefix = bm.find_cached_prefix(req)
-            if may_wait and self._waits_for_in_flight(req, len(prefix)):
-                i += 1  # its shared blocks are being computed: cached hits in a step or two
-                continue
-            num_hit = len(prefix) * bm.block_size
-            num_new = min(req.num_tokens - num_hit, step.budget)
-            target = num_hit + num_new
-            # After the wait check, so a borrowed slot is never taken back for a request that then waits; and
-            # only if the request's blocks can then be found, so it is never taken back for nothing.
-            if full and (over_share or not self._reclaim_slot(req, target, prefix, step)):
-                return False
-            if (not bm.allocate_slots(req.request_id, target, prefix)
-                    and not self._make_room(req, target, prefix, step)):
-                return False  # no skipping ahead: later requests have equal or lower priority
-            self._waiting.pop(i)  # victims preempted for req have worse priority: they queue behind it
-            running_in[req.group] = running_in.get(req.group, 0) + 1
-            bm.mark_in_flight(req, len(prefix))
-            self._admitted(req, num_hit)
-            req.status = RequestStatus.RUNNING
-            bisect.insort(self._running, req, key=self._key)
-            step.num_new[req.request_id] = num_new
-            step.budget -= num_new
-        return True
-
-    def _reclaim_slot(self, req: Request, target: int, prefix: list[KVBlock], step: _StepState) -> bool:
-        """Preempt the newest running request of worse priority whose group is past its share, if there is one
-        and req's blocks (up to `target`) can then be found."""
-        share = self.config.share_running_per_group
-        for victim in reversed(self._running):
-            g = victim.group
-            if victim.priority > req.priority and g in share and step.running_in.get(g, 0) > share[g]:
-                if not self._room_possible(req, target, prefix):
-                    return False
-                self._preempt(victim, step)
-                return True
-        return False
-
-    def _waits_for_in_flight(self, req: Request, num_cached_blocks: int) -> bool:
-        """Worth waiting only for a long shared run (an image's placeholders, a long document): a short one
-        (a shared system prompt) would cost a step of latency to save little."""
-        wait = self.config.shared_prefix_wait_tokens
-        bm = self.block_manager
-        return wait > 0 and bm.num_in_flight_blocks(req, num_cached_blocks) * bm.block_size >= wait
-
-    def _admitted(self, req: Request, num_hit: int) -> None:
-        req.num_computed_tokens = num_hit
-        if self.block_manager.enable_prefix_caching:
-            self.block_manager.prefix_stats.record(req.num_tokens, num_hit)
-        if req.num_preemptions == 0:
-            req.num_cached_tokens = num_hit  # a resumed request's hits on its own old blocks do not count
-        if num_hit:
-            self.num_images_skipped += sum(1 for it in req.mm_items if it.num_tokens > 0 and it.end <= num_hit)
-
-    def _room_possible(self, req: Request, target: int, prefix: list[KVBlock]) -> bool:
-        """Whether req's blocks up to `target` fit once every strictly-lower-priority running request is
-        preempted. A prefix block a victim frees comes back to the free list and is taken again at once, so it
-        does not count."""
-        bm = self.block_manager
-        keep = set(prefix)
-        reclaimable = sum(bm.num_blocks_freed_by(r.request_id, keep) for r in self._running
-                          if r.priority > req.priority)
-        return bm.num_free_blocks + reclaimable >= bm.num_new_blocks_needed(req.request_id, target, prefix)
-
-    def _make_room(self, req: Request, target: int, prefix: list[KVBlock], step: _StepState) -> bool:
-        """Preempt strictly-lower-priority running requests for req's blocks, if that is enough."""
-        bm = self.block_manager
-        if not self._room_possible(req, target, prefix):
-            return False  # would preempt for nothing
-        while not bm.allocate_slots(req.request_id, target, prefix):
-            if not self._running or self._running[-1].priority <= req.priority:
-                return False  # estimate was off (a block shared among victims); stay safe
-            self._preempt(self._running[-1], step)
         return True
 
     def _schedule_encoder_inputs(self, scheduled: list[ScheduledRequest]) -> dict[str, list[int]]:

@@ -19,8 +19,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flashvlm import __version__
-from flashvlm.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError
+from flashvlm.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
 from flashvlm.request import InvalidRequestError
+from flashvlm.server.admission import QueueFullError
 from flashvlm.server.protocol import (
     APIError,
     ChatCompletionChunk,
@@ -126,7 +127,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(QueueFullError)
     async def queue_full(_: Request, e: QueueFullError) -> JSONResponse:
         return error_response(429, str(e), "rate_limit_error", code="queue_full",
-                              headers={"Retry-After": str(max(1, round(e.retry_after_s)))})
+                              headers={"Retry-After": str(e.retry_after_s)})
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:

@@ -78,13 +78,15 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from flashvlm.engine.async_engine import AsyncEngine
-    from flashvlm.engine.sla import AdaptiveBudgetController, AdmissionController, load_tiers
     from flashvlm.llm import LLM
     from flashvlm.models.default import DEFAULT_MODEL_NAME
     from flashvlm.server import media
+    from flashvlm.server.admission import Admission
     from flashvlm.server.app import build_app
+    from flashvlm.server.budget import adaptive_budget
     from flashvlm.server.metrics import EngineMetrics
     from flashvlm.server.serving import ServerSettings
+    from flashvlm.server.tiers import load_tiers
     from flashvlm.server.tracing import Tracer
 
     policy = media.MediaPolicy(max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
@@ -104,15 +106,11 @@ def run(args: argparse.Namespace) -> int:
         kwargs["max_running_per_group"] = tiers.running_caps()
         kwargs["share_running_per_group"] = tiers.running_shares(kwargs.get("max_num_seqs", 64))
     llm = LLM(args.model, **kwargs)
-    sched = llm.engine.config.scheduler
     adaptive = args.adaptive_token_budget if args.adaptive_token_budget is not None else (
         args.sla_config is not None and not no_tiers)
-    controller = None
-    if adaptive and tiers is not None:
-        budget = sched.max_num_batched_tokens
-        controller = AdaptiveBudgetController(budget, min(sched.max_num_seqs, budget), budget, tiers)
-    engine = AsyncEngine(llm.engine, max_waiting_requests=args.max_waiting_requests,
-                         admission=AdmissionController(args.max_waiting_requests), budget_controller=controller,
+    steering = adaptive_budget(llm.engine, tiers) if adaptive and tiers is not None else None
+    engine = AsyncEngine(llm.engine, admission=Admission(args.max_waiting_requests),
+                         on_step=steering.after_step if steering is not None else None,
                          num_processing_threads=args.num_processing_threads)
     metrics = EngineMetrics(names[0], tiers=tiers.names if tiers else ["default"], max_model_len=engine.max_model_len)
     tracer = Tracer.create(args.otlp_traces_endpoint)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import secrets
 import time
 import uuid
@@ -19,11 +18,12 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from flashvlm.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError, RequestStream
+from flashvlm.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
 from flashvlm.engine.scheduler import KV_CAPACITY_STOP_REASON
 from flashvlm.processing.input_processor import ProcessedPrompt
 from flashvlm.request import InvalidRequestError, RequestOutput, SamplingParams
 from flashvlm.server import media
+from flashvlm.server.admission import QueueFullError
 from flashvlm.server.protocol import (
     APIError,
     AssistantMessage,
@@ -49,7 +49,7 @@ class ServerSettings:
     model_path: str | None = None
     media: media.MediaPolicy = field(default_factory=media.MediaPolicy)
     tiers: Any = None
-    """A flashvlm.engine.sla.TierConfig, or None: then requests carry vLLM's `priority` and no tier."""
+    """A flashvlm.server.tiers.TierConfig, or None: then requests carry vLLM's `priority` and no tier."""
     api_key: str | None = None
     disable_log_requests: bool = False
 
@@ -120,7 +120,7 @@ class OpenAIServing:
                 slot = self.engine.reserve(priority)
             except QueueFullError as e:
                 raise APIError(429, str(e), "rate_limit_error", None, "queue_full",
-                               {"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from None
+                               {"Retry-After": str(e.retry_after_s)}) from None
             try:
                 processed = await prepare()
                 params = to_sampling_params(req, self.engine.default_sampling_params(),
@@ -130,7 +130,8 @@ class OpenAIServing:
                 stream = await self.engine.add_request(processed, params, request_id=engine_id, priority=priority,
                                                        tier=tier, arrival_time=arrival, slot=slot)
             finally:
-                slot.release()
+                if slot is not None:
+                    slot.release()
         except (APIError, InvalidRequestError) as e:
             if self.metrics is not None:
                 status = e.status if isinstance(e, APIError) else 400

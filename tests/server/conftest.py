@@ -21,10 +21,11 @@ from PIL import Image
 
 from flashvlm import LLM
 from flashvlm.engine.async_engine import AsyncEngine
-from flashvlm.engine.sla import AdmissionController, load_tiers
+from flashvlm.server.admission import Admission
 from flashvlm.server.app import build_app
 from flashvlm.server.media import MediaPolicy
 from flashvlm.server.serving import ServerSettings
+from flashvlm.server.tiers import load_tiers
 from flashvlm.testing.tiny_checkpoints import build_qwen2_vl
 
 MODEL = "tiny-vlm"
@@ -87,8 +88,7 @@ def start_server(llm: LLM, media_dir: Path, *, max_waiting_requests: int = 256, 
     from flashvlm.server.metrics import EngineMetrics
 
     tiers = load_tiers(None)
-    engine = AsyncEngine(llm.engine, max_waiting_requests=max_waiting_requests,
-                         admission=AdmissionController(max_waiting_requests))
+    engine = AsyncEngine(llm.engine, admission=Admission(max_waiting_requests))
     metrics = EngineMetrics(MODEL, tiers=tiers.names, max_model_len=engine.max_model_len) if with_metrics else None
     policy = MediaPolicy(max_image_bytes=MAX_IMAGE_BYTES, max_image_pixels=MAX_IMAGE_PIXELS,
                          limit_images=LIMIT_IMAGES, allowed_local_media_path=media_dir)

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from flashvlm import LLM, SamplingParams
-from flashvlm.engine.async_engine import QueueFullError
+from flashvlm.server.admission import QueueFullError
 from tests.server.conftest import MODEL, LiveServer, data_uri, image_message, make_llm, png_bytes, start_server
 
 NUM_CONCURRENT = 64
@@ -128,8 +128,8 @@ def test_overload_gets_429_with_retry_after_and_stays_bounded(small_server: Live
             assert r.text.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in r.text
         else:
             assert r.json()["usage"]["completion_tokens"] == 24
-    engine = small_server.engine
-    assert engine.peak_num_waiting <= engine.max_waiting_requests  # one tier: the bound is exact
+    admission = small_server.engine.admission
+    assert admission.peak_queued <= admission.max_waiting  # one tier: the bound is exact
     stats = small_server.wait_idle()
     assert stats["num_queued"] == 0 and stats["num_free_blocks"] == stats["num_usable_blocks"]
     assert httpx.post(small_server.v1 + "/chat/completions", json=body, timeout=60).status_code == 200
@@ -137,7 +137,7 @@ def test_overload_gets_429_with_retry_after_and_stays_bounded(small_server: Live
 
 def test_admission_lets_a_better_tier_past_a_full_queue(small_server: LiveServer) -> None:
     engine = small_server.engine
-    bronze = [engine.reserve(priority=2) for _ in range(engine.max_waiting_requests)]
+    bronze = [engine.reserve(priority=2) for _ in range(engine.admission.max_waiting)]
     try:
         with pytest.raises(QueueFullError):
             engine.reserve(priority=2)
@@ -166,10 +166,11 @@ class _FixedBudget:
 
 def test_budget_controller_steers_the_scheduler_and_shutdown_refuses_work(tiny_ckpt: Path) -> None:
     from flashvlm.engine.async_engine import AsyncEngine, EngineDeadError
+    from flashvlm.server.budget import BudgetSteering
 
     llm = make_llm(tiny_ckpt, max_num_seqs=4, max_num_batched_tokens=512)
     controller = _FixedBudget(budget=10**6)  # above the configured budget: must be clamped to it
-    engine = AsyncEngine(llm, budget_controller=controller)
+    engine = AsyncEngine(llm, on_step=BudgetSteering(llm.engine, controller).after_step)
 
     async def run(tier: str) -> int:
         outs = [o async for o in engine.generate({"prompt": "Hello there"},
@@ -187,10 +188,11 @@ def test_budget_controller_steers_the_scheduler_and_shutdown_refuses_work(tiny_c
     llm.engine.add_processed = spy  # type: ignore[method-assign]
     assert asyncio.run(run("gold")) == 4
     assert groups == ["gold"]  # the tier reaches the scheduler, whose per-group caps use it
-    assert llm.engine.config.scheduler.max_num_batched_tokens == 512
+    assert llm.engine.token_budget == 512
     controller.budget = 8
     assert asyncio.run(run("gold")) == 4
-    assert llm.engine.config.scheduler.max_num_batched_tokens == 8
+    assert llm.engine.token_budget == 8 and engine.stats()["token_budget"] == 8
+    assert llm.engine.config.scheduler.max_num_batched_tokens == 512  # the validated config is never written
     assert any(n >= 1 and tiers == {"gold"} for _, n, tiers in controller.calls)  # decode steps, running tier
     engine.shutdown()
     assert not engine.is_alive

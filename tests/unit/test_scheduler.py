@@ -524,3 +524,46 @@ def test_lookahead_slot_holds_the_next_tokens_block_when_blocks_are_plentiful() 
     step(scarce, runner)  # one free block for one running request: no surplus, so nothing is taken early
     assert r.num_computed_tokens == 8 and scarce.block_manager.num_blocks_of("b") == 2
     assert drive(scarce, runner)["b"].output_token_ids == expected_output(r.prompt_token_ids, 6)
+
+
+def test_token_budget_is_live_scheduler_state_and_the_config_is_never_written() -> None:
+    sched = make_sched(budget=32)
+    add(sched, make_req("a", 100))
+    assert sched.token_budget == 32 and splits(sched.schedule()) == [("a", 32)]
+    assert sched.set_token_budget(8) == 8 and sched.token_budget == 8
+    out = sched.schedule()
+    assert splits(out) == [("a", 8)]  # the next step uses the new budget
+    assert sched.set_token_budget(10**6) == 32  # never above the configured budget
+    assert sched.set_token_budget(0) == 1
+    assert sched.config.max_num_batched_tokens == 32
+
+
+def test_queue_views_and_first_scheduled_time_come_from_the_scheduler() -> None:
+    sched = make_sched(max_num_seqs=1)
+    add(sched, make_req("run", 4, priority=1), make_req("w1", 4, priority=1), make_req("w0", 4, priority=0))
+    sched.requests["run"].group = "gold"
+    sched.requests["w1"].group = "bronze"
+    assert sched.waiting_by_priority() == {0: 1, 1: 2} and sched.running_groups() == set()
+    out = sched.schedule()
+    assert ids(out) == ["w0"] and sched.running_request_ids() == ["w0"]
+    assert sched.waiting_by_priority() == {1: 2} and sched.running_groups() == set()  # w0 has no group
+    assert out.scheduled[0].request.first_scheduled_time is not None
+    assert sched.requests["run"].first_scheduled_time is None
+    sched.abort_request("w0")
+    out = sched.schedule()
+    assert ids(out) == ["run"] and sched.running_groups() == {"gold"}
+
+
+def test_a_stop_string_restates_a_finished_request_but_not_an_aborted_one() -> None:
+    sched = make_sched()
+    add(sched, make_req("a", 4, max_tokens=1), make_req("b", 4))
+    out = sched.schedule()
+    (a,) = [r for r in sched.update(out, {"a": 7, "b": 7}) if r.request_id == "a"]
+    assert a.status is S.FINISHED_LENGTH
+    sched.report_stop_string(a, "</s>")
+    assert a.status is S.FINISHED_STOPPED and a.stop_reason == "</s>"
+    b = sched.abort_request("b")
+    assert b is not None
+    with pytest.raises(ValueError):
+        sched.report_stop_string(b, "</s>")
+    assert b.status is S.FINISHED_ABORTED

@@ -8,8 +8,8 @@ from flashvlm.cache.block_manager import BlockManager
 from flashvlm.cache.encoder_cache import EncoderCacheManager
 from flashvlm.config import ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from flashvlm.engine.scheduler import Scheduler
-from flashvlm.engine.sla import parse_tiers
 from flashvlm.request import Request, SamplingParams
+from flashvlm.server.tiers import parse_tiers
 
 
 def make(caps: dict[str, int], max_num_seqs: int = 6, shares: dict[str, int] | None = None) -> Scheduler:

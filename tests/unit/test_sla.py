@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
-from flashvlm.engine.sla import (
-    AdaptiveBudgetController,
-    AdmissionController,
-    SLAConfigError,
-    TierConfig,
-    load_tiers,
-    parse_tiers,
-)
+from flashvlm.server.admission import Admission, QueueFullError
+from flashvlm.server.budget import AdaptiveBudgetController, BudgetSteering
+from flashvlm.server.tiers import SLAConfigError, TierConfig, load_tiers, parse_tiers
 
 # ---------------------------------------------------------------- tiers
 
@@ -191,30 +188,101 @@ class FakeClock:
 
 
 def test_admission_admits_below_the_bound() -> None:
-    adm = AdmissionController(max_waiting=10)
-    assert adm.check(0) is None and adm.check(9) is None
-    assert adm.check(10) == 30  # nothing finished yet: the longest wait
+    adm = Admission(max_waiting=10)
+    assert adm.retry_after(0) is None and adm.retry_after(9) is None
+    assert adm.retry_after(10) == 30  # nothing finished yet: the longest wait
 
 
 def test_retry_after_follows_recent_throughput() -> None:
     clock = FakeClock()
-    adm = AdmissionController(max_waiting=10, clock=clock)
+    adm = Admission(max_waiting=10, clock=clock)
     for _ in range(20):  # 4 requests/s for 5 s
         clock.t += 0.25
         adm.record_finished()
     assert adm.throughput() == pytest.approx(20 / 4.75)
-    assert adm.check(10) == 3  # 10 waiting at ~4.2/s -> 2.4 s -> 3
-    assert adm.check(1000) == 30  # clamped above
+    assert adm.retry_after(10) == 3  # 10 waiting at ~4.2/s -> 2.4 s -> 3
+    assert adm.retry_after(1000) == 30  # clamped above
     adm.record_finished(1000)
-    assert adm.check(10) == 1  # clamped below
+    assert adm.retry_after(10) == 1  # clamped below
     clock.t += 31.0  # all completions aged out of the window: the engine looks stalled
-    assert adm.throughput() is None and adm.check(10) == 30
+    assert adm.throughput() is None and adm.retry_after(10) == 30
 
 
 def test_num_ahead_lets_high_tiers_past_a_queue_of_low_tiers() -> None:
-    adm = AdmissionController(max_waiting=10)
-    assert adm.check(15, num_ahead=2) is None  # gold behind 2 gold, 13 bronze waiting
-    assert adm.check(15, num_ahead=10) is not None
-    assert adm.check(20, num_ahead=0) is not None  # the hard bound (2x) still caps memory
+    adm = Admission(max_waiting=10)
+    assert adm.retry_after(15, num_ahead=2) is None  # gold behind 2 gold, 13 bronze waiting
+    assert adm.retry_after(15, num_ahead=10) is not None
+    assert adm.retry_after(20, num_ahead=0) is not None  # the hard bound (2x) still caps memory
     with pytest.raises(ValueError):
-        AdmissionController(0)
+        Admission(0)
+
+
+def test_one_admission_object_counts_every_stage_and_refuses_with_its_retry_after() -> None:
+    clock = FakeClock()
+    adm = Admission(max_waiting=3, clock=clock)
+    preparing = adm.reserve(priority=1)
+    pending = adm.reserve(priority=1)
+    pending.submit()  # handed to the engine thread
+    adm.update_engine({1: 1}, applied=[])  # one more already waits in the scheduler
+    assert adm.stats()["num_queued"] == 3
+    for _ in range(8):  # 2 requests/s
+        clock.t += 0.5
+        adm.record_finished()
+    with pytest.raises(QueueFullError) as refused:
+        adm.reserve(priority=1)
+    assert refused.value.retry_after_s == adm.retry_after(3) == 2  # 3 ahead at 2/s: the same formula
+    assert refused.value.limit == 3 and adm.stats()["num_rejected"] == 1
+    adm.reserve(priority=0).release()  # nothing of priority 0 or better waits: admitted
+    adm.update_engine({1: 2}, applied=[1])  # the engine thread added the pending one
+    preparing.release()
+    preparing.release()  # idempotent
+    with pytest.raises(RuntimeError):
+        pending.submit()  # already used
+    assert adm.stats()["num_queued"] == 2 and adm.stats()["peak_num_queued"] == 4
+
+
+class _FakeEngine:
+    """The part of Engine that BudgetSteering uses."""
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.config = SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=max_num_seqs,
+                                                                max_num_batched_tokens=max_num_batched_tokens))
+        self.step_log: Any = None
+        self.budgets: list[int] = []
+
+    def running_groups(self) -> set[str]:
+        return {"gold"}
+
+    def set_token_budget(self, n: int) -> int:
+        self.budgets.append(n)
+        return n
+
+
+class _Answer:
+    def __init__(self, budget: int | None) -> None:
+        self.budget = budget
+        self.calls: list[tuple[float, int, set[str]]] = []
+
+    def update(self, step_latency_s: float, num_decode_seqs: int, active_tiers: Any) -> int:
+        self.calls.append((step_latency_s, num_decode_seqs, set(active_tiers)))
+        if self.budget is None:
+            raise RuntimeError("controller bug")
+        return self.budget
+
+
+def test_budget_steering_feeds_the_controller_and_sets_the_engine_budget() -> None:
+    engine = _FakeEngine(max_num_seqs=16, max_num_batched_tokens=1024)
+    answer = _Answer(budget=4)
+    steering = BudgetSteering(engine, answer)  # type: ignore[arg-type]
+    engine.step_log.append(SimpleNamespace(num_decode_tokens=5))
+    steering.after_step(0.02)
+    assert answer.calls == [(0.02, 5, {"gold"})]
+    assert engine.budgets == [16]  # never below a full batch of decodes
+    answer.budget = 300
+    steering.after_step(0.02)
+    assert engine.budgets[-1] == 300
+    answer.budget = None  # the controller fails: switched off, the configured budget restored
+    steering.after_step(0.02)
+    assert engine.budgets[-1] == 1024 and steering.controller is None
+    steering.after_step(0.02)
+    assert len(answer.calls) == 3 and len(engine.budgets) == 3
