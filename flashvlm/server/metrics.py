@@ -98,7 +98,8 @@ class EngineMetrics:
         self.kv_cache_usage_perc = Gauge(PREFIX + "kv_cache_usage_perc",
                                          "KV-cache usage; 1 means 100 percent.", m, registry=reg)
         self.token_budget = Gauge(PREFIX + "scheduler_token_budget",
-                                  "Current token budget per step (max_num_batched_tokens).", m, registry=reg)
+                                  "Current token budget per step (at most max_num_batched_tokens).", m,
+                                  registry=reg)
 
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prefill tokens of finished requests.", mt,
                                      registry=reg)
