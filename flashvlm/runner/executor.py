@@ -13,7 +13,6 @@ batch. The executor owns the language-model graphs; the runner owns the vision t
 from __future__ import annotations
 
 import enum
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -33,12 +32,7 @@ from flashvlm.runner.inputs import (
     general_step_inputs,
 )
 from flashvlm.runner.lookahead import GreedyDecodePipeline, pipeline_eligible
-from flashvlm.runner.step_graphs import StepGraphs
-
-logger = logging.getLogger(__name__)
-
-MIN_STEP_GRAPH_TOKENS = 16
-"""Below this prefill_graph_max_tokens, no step graphs are captured (the smallest bucket has 16 tokens)."""
+from flashvlm.runner.step_graphs import StepGraphs, step_graph_max_tokens
 
 
 class ExecutionPath(enum.Enum):
@@ -98,8 +92,8 @@ class StepExecutor:
         self.decode_graphs.capture()
         if config.decode_lookahead:
             self.pipeline = GreedyDecodePipeline(self.decode_graphs, self.block_size, max_model_len)
-        max_tokens = min(config.prefill_graph_max_tokens, sched.max_num_batched_tokens)
-        if max_tokens >= MIN_STEP_GRAPH_TOKENS:
+        max_tokens = step_graph_max_tokens(config)
+        if max_tokens:
             self.step_graphs = self.build_step_graphs(max_tokens, sched.max_num_seqs, max_model_len)
             self.step_graphs.capture()
 

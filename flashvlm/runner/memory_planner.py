@@ -20,6 +20,7 @@ from flashvlm.models.interfaces import VLModel
 from flashvlm.request import MMItem, SamplingParams
 from flashvlm.runner.inputs import single_sequence_context
 from flashvlm.runner.sampler import Sampler, SamplerInputs
+from flashvlm.runner.step_graphs import step_graph_max_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -179,10 +180,6 @@ class MemoryPlanner:
                                            [None] * rows))
         generator.set_state(state)
 
-    def step_graph_tokens(self) -> int:
-        """The largest step-graph bucket's token count (below 16: no step graphs)."""
-        return min(self.config.prefill_graph_max_tokens, self.config.scheduler.max_num_batched_tokens)
-
     def decode_graph_reserve(self) -> int:
         n = self.config.scheduler.max_num_seqs
         layers = self.model.kv_cache_spec().num_layers
@@ -194,9 +191,9 @@ class MemoryPlanner:
         if not self.use_cuda_graphs:
             return GraphReserves(0, 0, 0)
         n = self.config.scheduler.max_num_seqs
-        tokens = self.step_graph_tokens()
+        tokens = step_graph_max_tokens(self.config)
         step = 0
-        if tokens >= 16:  # the step graphs' pool holds one forward of their largest bucket
+        if tokens:  # the step graphs' pool holds one forward of their largest bucket
             step = (GRAPH_POOL_BASE_BYTES + tokens * STEP_BYTES_PER_TOKEN
                     + LOGITS_COPIES * n * self.model.vocab_size * 4)
         vision = VISION_GRAPH_POOL_BYTES if self.config.vision_graphs > 0 and self.model.vision_graphable else 0

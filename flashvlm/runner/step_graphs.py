@@ -18,10 +18,13 @@ from __future__ import annotations
 import torch
 
 from flashvlm.attention.base import AttentionBackend, AttentionStep
+from flashvlm.config import EngineConfig
 from flashvlm.layers.attention import ForwardContext
 from flashvlm.models.interfaces import VLModel
 from flashvlm.runner.cuda_graph import GraphSet
 
+MIN_GRAPH_TOKENS = 16
+"""The smallest bucket's token count: an engine whose token bound is below it captures no step graphs."""
 _SEQ_BUCKETS = (1, 4, 16, 64, 256)
 _MIXED_MAX_TOKENS = 512
 """Above this, buckets serve a single sequence's prefill chunk only, in steps of _LARGE_STEP tokens."""
@@ -36,11 +39,11 @@ def step_buckets(max_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
     11% with 128-token steps); and mixed batches at
     1024 and 2048 tokens, where even doubled compute undercuts an eager step's ~27 ms of launches."""
     small_max = min(max_tokens, _MIXED_MAX_TOKENS)
-    token_sizes, t = [], 16
+    token_sizes, t = [], MIN_GRAPH_TOKENS
     while t < small_max:
         token_sizes.append(t)
         t *= 2
-    if small_max >= 16:
+    if small_max >= MIN_GRAPH_TOKENS:
         token_sizes.append(small_max)
     seq_sizes = sorted({s for s in _SEQ_BUCKETS if s < max_num_seqs} | {max_num_seqs})
     buckets = [(t, s) for t in token_sizes for s in seq_sizes if s <= t]
@@ -49,6 +52,12 @@ def step_buckets(max_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
         large.append(max_tokens)
     mixed = [(t, s) for t in (1024, 2048) if t <= max_tokens for s in seq_sizes if 1 < s <= t]
     return buckets + [(t, 1) for t in large] + mixed
+
+
+def step_graph_max_tokens(config: EngineConfig) -> int:
+    """The largest step-graph bucket's token count for an engine, or 0 when it captures no step graphs."""
+    tokens = min(config.prefill_graph_max_tokens, config.scheduler.max_num_batched_tokens)
+    return tokens if tokens >= MIN_GRAPH_TOKENS else 0
 
 
 class StepGraphs(GraphSet):
