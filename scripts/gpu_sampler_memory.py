@@ -21,9 +21,9 @@ from flashvlm.bench.model_configs import write_benchmark_model
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     if "--no-sampler-profile" in sys.argv:
-        from flashvlm.runner.model_runner import ModelRunner
+        from flashvlm.runner.memory_planner import MemoryPlanner
 
-        ModelRunner._profile_sampler = lambda self, logits: None  # type: ignore[method-assign]
+        MemoryPlanner.profile_sampler = lambda self, logits: None  # type: ignore[method-assign]
     path = write_benchmark_model("qwen2-vl-7b", tempfile.mkdtemp(prefix="flashvlm-sampler-"))
     llm = LLM(str(path), load_format="dummy", gpu_memory_utilization=0.9, max_num_seqs=256,
               max_num_batched_tokens=8192, max_model_len=4096)

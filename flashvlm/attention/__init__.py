@@ -1,3 +1,11 @@
-from flashvlm.attention.base import AttentionBackend, AttentionMetadata, get_backend
+from flashvlm.attention.base import (
+    ATTENTION_BACKENDS,
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionStep,
+    GraphAttentionBuffers,
+    get_backend,
+)
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend"]
+__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "AttentionStep", "GraphAttentionBuffers",
+           "get_backend"]

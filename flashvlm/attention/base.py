@@ -1,12 +1,18 @@
-"""Attention backend interface and the per-step metadata that travels with a forward pass.
+"""Attention backend interface, the backend-neutral description of a step, and the per-step metadata.
 
 A step's flat token batch holds, for each scheduled sequence, its new tokens (a prefill chunk or one
 decode token) contiguously, in scheduler order. Keys and values of those tokens are first written
 into the paged KV cache by slot mapping; attention then reads the whole context from the cache.
+
+The runner's input builder describes a step once, as an `AttentionStep`; each backend turns it into the
+metadata its forward reads (`build_metadata`). Under CUDA graphs a backend also provides the fixed buffers a
+graph captures (`graph_buffers`, `graph_metadata`) and fills them at replay (`fill_graph_buffers`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -14,7 +20,9 @@ import torch
 
 
 @dataclass
-class AttentionMetadata:
+class AttentionStep:
+    """Backend-neutral layout of one step, from the runner's input builder (device tensors, moved at once)."""
+
     query_start_loc: torch.Tensor
     """(B+1,) int32: offsets of each sequence's new tokens in the flat batch."""
     seq_lens: torch.Tensor
@@ -24,28 +32,103 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     """(N,) int64: cache slot (block * block_size + offset) of each new token."""
     block_size: int
-    # Host copies, so backends that loop on the host never sync the device to read them.
-    query_start_loc_host: list[int]
-    seq_lens_host: list[int]
+    query_start_loc_host: list[int] | None
+    seq_lens_host: list[int] | None
+    """Host copies of the two above as the builder computed them (no device read). None in metadata where a
+    backend never reads them (the graph-capturable backends, and every captured step, unknown at capture)."""
     max_query_len: int
+    """Bound on any sequence's new tokens (exact on eager steps; the bucket's token count under graphs)."""
     max_seq_len: int
+    """Bound on any sequence's context (exact on eager steps; max_model_len under graphs)."""
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seq_lens_host)
+        return self.seq_lens.shape[0]
+
+
+_STEP_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionStep))
+
+
+@dataclass
+class AttentionMetadata(AttentionStep):
+    """What the paged backends' forward reads: the step's layout as the backend keeps it."""
+
+    @classmethod
+    def of(cls, step: AttentionStep, **changes: object) -> AttentionMetadata:
+        """The step's fields, with `changes` (field=value) applied; no tensor is copied."""
+        values = {name: getattr(step, name) for name in _STEP_FIELDS}
+        return cls(**(values | changes))
 
     @property
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
 
 
+@dataclass
+class GraphAttentionBuffers:
+    """The fixed device tensors a captured step reads its attention inputs from, sized for the largest graph."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_size: int
+
+
 class AttentionBackend(ABC):
-    """Owns how attention reads the paged cache; one instance per engine."""
+    """Owns how attention reads the paged cache and what metadata it needs; one instance per engine."""
 
     name: str = "base"
     graph_capturable: bool = False
     """Whether a step through it can be captured in a CUDA graph (no host loops or syncs in forward)."""
 
+    def build_metadata(self, step: AttentionStep) -> AttentionMetadata:
+        """This backend's metadata for an eager step."""
+        return AttentionMetadata.of(step)
+
+    # ---- CUDA-graph hooks (capturable backends) ------------------------------------------------
+    def graph_buffers(self, max_tokens: int, max_seqs: int, max_blocks: int, block_size: int,
+                      device: torch.device) -> GraphAttentionBuffers:
+        """Fixed buffers for graphs of up to max_tokens tokens in max_seqs sequences, every row padding: slot -1
+        (no KV write), length 0 and no new tokens (no attention work)."""
+        return GraphAttentionBuffers(
+            query_start_loc=torch.zeros(max_seqs + 1, dtype=torch.int32, device=device),
+            seq_lens=torch.zeros(max_seqs, dtype=torch.int32, device=device),
+            block_tables=torch.zeros((max_seqs, max_blocks), dtype=torch.int32, device=device),
+            slot_mapping=torch.full((max_tokens,), -1, dtype=torch.long, device=device), block_size=block_size)
+
+    def graph_metadata(self, buffers: GraphAttentionBuffers, num_tokens: int, num_seqs: int, max_query_len: int,
+                       max_seq_len: int) -> AttentionMetadata:
+        """The metadata a graph of num_tokens tokens in num_seqs sequences captures: views of the buffers, and
+        host bounds that hold for every step the graph will replay (no host copies: unknown at capture)."""
+        if not self.graph_capturable:
+            raise RuntimeError(f"the {self.name!r} attention backend cannot be captured in a CUDA graph")
+        return AttentionMetadata(
+            query_start_loc=buffers.query_start_loc[: num_seqs + 1], seq_lens=buffers.seq_lens[:num_seqs],
+            block_tables=buffers.block_tables[:num_seqs], slot_mapping=buffers.slot_mapping[:num_tokens],
+            block_size=buffers.block_size, query_start_loc_host=None, seq_lens_host=None, max_query_len=max_query_len,
+            max_seq_len=max_seq_len)
+
+    def fill_graph_buffers(self, buffers: GraphAttentionBuffers, step: AttentionStep, num_tokens: int,
+                           num_seqs: int) -> None:
+        """Copy an eager step into the buffers of a graph of (num_tokens, num_seqs), padding the rest: padding
+        tokens get slot -1, padding sequences no new tokens and length 0. Device-to-device copies only."""
+        n, b = step.slot_mapping.shape[0], step.num_seqs
+        buffers.slot_mapping[:n].copy_(step.slot_mapping)
+        buffers.slot_mapping[n:num_tokens].fill_(-1)
+        buffers.query_start_loc[: b + 1].copy_(step.query_start_loc)
+        buffers.query_start_loc[b + 1: num_seqs + 1].fill_(n)
+        buffers.seq_lens[:b].copy_(step.seq_lens)
+        buffers.seq_lens[b:num_seqs].zero_()
+        width = step.block_tables.shape[1]
+        buffers.block_tables[:b, :width].copy_(step.block_tables)
+
+    def reset_graph_buffers(self, buffers: GraphAttentionBuffers) -> None:
+        """Before capture: every row padding (nothing written, nothing read)."""
+        buffers.slot_mapping.fill_(-1)
+        buffers.seq_lens.zero_()
+
+    # ---- the op --------------------------------------------------------------------------------
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         """kv_cache: (2, num_blocks, block_size, kv_heads, head_dim); k, v: (N, kv_heads, head_dim)."""
         key_cache = kv_cache[0].view(-1, *kv_cache.shape[-2:])
@@ -59,17 +142,17 @@ class AttentionBackend(ABC):
         """q: (N, heads, head_dim) -> (N, heads, head_dim); causal over each sequence's context."""
 
 
+ATTENTION_BACKENDS: dict[str, str] = {
+    "reference": "flashvlm.attention.reference:ReferenceBackend",
+    "triton": "flashvlm.attention.triton_backend:TritonBackend",
+    "fa4": "flashvlm.attention.flash_attn4:FlashAttn4Backend",
+}
+"""Language-model attention backends by name ("module:class", imported when chosen: only the chosen backend's
+kernels load). The names are EngineConfig.attention_backend's values."""
+
+
 def get_backend(name: str) -> AttentionBackend:
-    if name == "reference":
-        from flashvlm.attention.reference import ReferenceBackend
-
-        return ReferenceBackend()
-    if name == "triton":
-        from flashvlm.attention.triton_backend import TritonBackend
-
-        return TritonBackend()
-    if name == "fa4":
-        from flashvlm.attention.flash_attn4 import FlashAttn4Backend
-
-        return FlashAttn4Backend()
-    raise ValueError(f"unknown attention backend {name!r} (available: reference, triton, fa4)")
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r} (available: {', '.join(ATTENTION_BACKENDS)})")
+    module, cls = ATTENTION_BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from flashvlm.attention.base import AttentionBackend, AttentionMetadata
+from flashvlm.attention.base import AttentionBackend, AttentionMetadata, AttentionStep
 from flashvlm.kernels.dispatch import interpreter_active
 
 try:
@@ -37,6 +37,10 @@ class TritonBackend(AttentionBackend):
         self.max_seq_len_bound = max_seq_len_bound
         self.max_splits = max_splits
         self._num_sms: dict[torch.device, int] = {}
+
+    def build_metadata(self, step: AttentionStep) -> AttentionMetadata:
+        """The shared metadata without host copies: forward reads device tensors and the two host bounds only."""
+        return AttentionMetadata.of(step, query_start_loc_host=None, seq_lens_host=None)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         kv_write(k, v, kv_cache, meta.slot_mapping)

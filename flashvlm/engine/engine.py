@@ -10,17 +10,19 @@ from typing import Any
 
 import torch
 
+from flashvlm.attention.vision import set_vision_attention
 from flashvlm.cache.block_manager import BlockManager
 from flashvlm.cache.encoder_cache import EncoderCacheManager
 from flashvlm.config import EngineConfig
 from flashvlm.engine.detokenizer import IncrementalDetokenizer
 from flashvlm.engine.scheduler import Scheduler
 from flashvlm.engine.stats import StepRecord
-from flashvlm.kernels.dispatch import set_kernel_backend, set_vision_attention
+from flashvlm.kernels.dispatch import set_kernel_backend
 from flashvlm.layers.linear import GEMV_MAX_ROWS, set_gemv_max_rows
 from flashvlm.models.loader import load_model, read_checkpoint, resolve_dtype
 from flashvlm.processing.input_processor import InputProcessor, ProcessedPrompt
 from flashvlm.request import InvalidRequestError, Request, RequestOutput, RequestStatus, SamplingParams
+from flashvlm.runner.memory_planner import PIXEL_CACHE_BYTES
 from flashvlm.runner.model_runner import ModelRunner, StepTimings
 
 logger = logging.getLogger(__name__)
@@ -62,9 +64,9 @@ class Engine:
         # "Caching off" (both caches off) also turns off the preprocessed-pixel cache: a cold baseline.
         caching = cache.enable_prefix_caching or cache.encoder_cache_tokens > 0
         self.input_processor = InputProcessor(self.checkpoint, text_cfg.vocab_size, self.model.image_token_id,
-                                              pixel_cache_bytes=(256 << 20) if caching else 0,
+                                              pixel_cache_bytes=PIXEL_CACHE_BYTES if caching else 0,
                                               preprocess_device=config.device if config.preprocess_on_gpu else None)
-        self.runner = ModelRunner(config, self.model, self.dtype)
+        self.runner = ModelRunner(config, self.model, self.dtype, max_model_len=max_len)
         num_blocks = self.runner.determine_num_blocks(
             lambda: self.input_processor.profile_items(config.scheduler.max_num_batched_tokens))
         config.cache.num_blocks = num_blocks

@@ -110,10 +110,3 @@ def set_kernel_backend(model: torch.nn.Module, backend: str) -> None:
     for module in model.modules():
         if hasattr(module, "use_triton_kernels"):
             module.use_triton_kernels = backend == "triton"
-
-
-def set_vision_attention(model: torch.nn.Module, impl: str) -> None:
-    """Set the attention of every vision-tower layer of `model` that has a choice: "sdpa" or "fa4"."""
-    for module in model.modules():
-        if hasattr(module, "attention_impl"):
-            module.attention_impl = impl

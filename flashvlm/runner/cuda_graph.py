@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from flashvlm.attention.base import AttentionBackend, AttentionMetadata
+from flashvlm.attention.base import AttentionBackend, GraphAttentionBuffers
 from flashvlm.layers.attention import ForwardContext
 from flashvlm.models.interfaces import VLModel
 from flashvlm.runner.inputs import DecodeBatch
@@ -129,28 +129,25 @@ class DecodeGraphs(GraphSet):
         self._turn = 0
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.max_model_len = max_model_len
-
-    def _meta(self, size: int) -> AttentionMetadata:
-        # Host fields describe the padded shape only; the Triton decode path reads device tensors.
-        return AttentionMetadata(
-            query_start_loc=self.query_start_loc[: size + 1], seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
-            slot_mapping=self.slot_mapping[:size], block_size=self.block_size,
-            query_start_loc_host=list(range(size + 1)), seq_lens_host=[self.max_model_len] * size,
-            max_query_len=1, max_seq_len=self.max_model_len)
+        # The backend's graph buffers, as views of the packed ones: one staging copy per dtype fills them all.
+        self.attn_buffers = GraphAttentionBuffers(query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+                                                  block_tables=self.block_tables, slot_mapping=self.slot_mapping,
+                                                  block_size=block_size)
 
     def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (logits, their argmax): the greedy token comes out of the graph itself (bf16 argmax picks what the
         sampler's float32 argmax picks: the conversion is exact and keeps the order)."""
-        ctx = ForwardContext(attn_meta=self._meta(size), kv_caches=self.kv_caches, backend=self.backend)
+        # One new token per sequence, any context up to max_model_len.
+        meta = self.backend.graph_metadata(self.attn_buffers, size, size, max_query_len=1,
+                                           max_seq_len=self.max_model_len)
+        ctx = ForwardContext(attn_meta=meta, kv_caches=self.kv_caches, backend=self.backend)
         embeds = self.model.embed_tokens(self.input_ids[:size])
         positions = self.positions[..., :size]
         logits = self.model.compute_logits(self.model(embeds, positions, ctx))
         return logits, logits.argmax(dim=-1)
 
     def _reset_padding(self) -> None:
-        self.slot_mapping.fill_(-1)
-        self.seq_lens.zero_()
+        self.backend.reset_graph_buffers(self.attn_buffers)
 
     def padded_size(self, num_seqs: int) -> int | None:
         i = bisect.bisect_left(self.sizes, num_seqs)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flashvlm.attention.base import AttentionBackend, AttentionMetadata
+from flashvlm.attention.base import AttentionBackend, AttentionStep
 from flashvlm.engine.sched_output import SchedulerOutput
 from flashvlm.layers.attention import ForwardContext
 from flashvlm.models.interfaces import KVCacheSpec
@@ -19,7 +19,8 @@ class StepInputs:
     """(N,) int64"""
     positions: torch.Tensor
     """(N,) or (3, N) int64"""
-    attn_meta: AttentionMetadata
+    attn_step: AttentionStep
+    """The step's attention layout; the backend builds its metadata from it."""
     sample_rows: torch.Tensor
     """(S,) indices into the flat batch of the last token of each request that samples this step."""
     sample_request_ids: list[str]
@@ -96,13 +97,13 @@ def general_step_inputs(out: SchedulerOutput, positions: PositionStore, block_si
     def dev(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(x)).to(device=device, dtype=dtype, non_blocking=True)
 
-    meta = AttentionMetadata(
+    step = AttentionStep(
         query_start_loc=dev(query_start, torch.int32), seq_lens=dev(np.asarray(seq_lens), torch.int32),
         block_tables=dev(block_tables, torch.int32),
         slot_mapping=dev(slots, torch.int64), block_size=block_size,
         query_start_loc_host=query_start.tolist(), seq_lens_host=seq_lens, max_query_len=max(counts),
         max_seq_len=max(seq_lens))
-    return StepInputs(input_ids=dev(ids, torch.int64), positions=dev(pos, torch.int64), attn_meta=meta,
+    return StepInputs(input_ids=dev(ids, torch.int64), positions=dev(pos, torch.int64), attn_step=step,
                       sample_rows=dev(np.asarray(sample_rows, dtype=np.int64), torch.int64),
                       sample_request_ids=sample_ids)
 
@@ -164,12 +165,12 @@ def decode_step_inputs(batch: DecodeBatch, block_size: int, device: torch.device
     if batch.mrope:
         positions = positions.expand(3, num).contiguous()
     qsl = list(range(num + 1))
-    meta = AttentionMetadata(
+    step = AttentionStep(
         query_start_loc=dev(qsl, torch.int32), seq_lens=dev(batch.seq_lens, torch.int32),
         block_tables=dev(block_tables, torch.int32), slot_mapping=dev(batch.slots, torch.int64),
         block_size=block_size, query_start_loc_host=qsl, seq_lens_host=batch.seq_lens, max_query_len=1,
         max_seq_len=max(batch.seq_lens))
-    return StepInputs(input_ids=dev(batch.token_ids, torch.int64), positions=positions, attn_meta=meta,
+    return StepInputs(input_ids=dev(batch.token_ids, torch.int64), positions=positions, attn_step=step,
                       sample_rows=dev(batch.sample_rows, torch.int64), sample_request_ids=batch.sample_request_ids)
 
 
@@ -191,11 +192,11 @@ def single_sequence_context(num_tokens: int, spec: KVCacheSpec, dtype: torch.dty
     kv = [torch.zeros(2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
           for _ in range(spec.num_layers)]
     blocks = torch.arange(1, num_blocks, dtype=torch.int32, device=device)
-    meta = AttentionMetadata(
+    step = AttentionStep(
         query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
         block_tables=blocks[None, :],
         slot_mapping=torch.arange(block_size, block_size + num_tokens, dtype=torch.int64, device=device),
         block_size=block_size, query_start_loc_host=[0, num_tokens], seq_lens_host=[num_tokens],
         max_query_len=num_tokens, max_seq_len=num_tokens)
-    return ForwardContext(attn_meta=meta, kv_caches=kv, backend=backend)
+    return ForwardContext(attn_meta=backend.build_metadata(step), kv_caches=kv, backend=backend)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from flashvlm.request import SamplingParams
+from flashvlm.request import Request, SamplingParams
 
 # Exponential(1) draws can underflow to 0 in float32; dividing by it would turn a zero
 # probability into NaN and a tiny one into inf, so clamp the noise away from zero.
@@ -50,6 +51,39 @@ def _to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.devi
     return cpu.pin_memory().to(device, non_blocking=True)
 
 
+@dataclass
+class SamplerInputs:
+    """What the sampler needs of each row besides its logits, one entry per row (all the same length)."""
+
+    params: Sequence[SamplingParams]
+    prev_token_ids: Sequence[Sequence[int]]
+    """Prompt + output ids of each row, for the repetition penalty (may be empty for rows without one)."""
+    num_output_tokens: Sequence[int]
+    """Tokens each row has produced so far, for ``min_tokens``."""
+    eos_token_ids: Sequence[tuple[int, ...]]
+    generators: Sequence[torch.Generator | None]
+    """Each row's own generator (a seeded request), or None for the sampler's default one."""
+
+    @classmethod
+    def for_requests(cls, requests: Sequence[Request],
+                     generators: dict[str, torch.Generator | None]) -> SamplerInputs:
+        """The rows of `requests`, in order; token history only for rows with a repetition penalty."""
+        return cls(params=[r.sampling_params for r in requests],
+                   prev_token_ids=[r.all_token_ids if r.sampling_params.repetition_penalty != 1.0 else ()
+                                   for r in requests],
+                   num_output_tokens=[len(r.output_token_ids) for r in requests],
+                   eos_token_ids=[r.eos_token_ids for r in requests],
+                   generators=[generators.get(r.request_id) for r in requests])
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def check(self, num_rows: int) -> None:
+        if not (len(self.params) == len(self.prev_token_ids) == len(self.num_output_tokens)
+                == len(self.eos_token_ids) == len(self.generators) == num_rows):
+            raise ValueError(f"sampler inputs disagree on the batch size ({num_rows} logits rows)")
+
+
 class Sampler:
     """Turns the last-position logits of a batch into one token id per row.
 
@@ -60,28 +94,15 @@ class Sampler:
     def __init__(self, default_generator: torch.Generator | None = None) -> None:
         self.default_generator = default_generator
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        prev_token_ids: Sequence[Sequence[int]],
-        num_output_tokens: Sequence[int],
-        eos_token_ids: Sequence[tuple[int, ...]],
-        generators: Sequence[torch.Generator | None],
-    ) -> torch.Tensor:
-        """Sample one token per row of ``logits`` (B, V); returns int64 (B,) on the logits' device.
-
-        ``prev_token_ids[i]`` are the prompt + output ids of row i (for the repetition penalty),
-        ``num_output_tokens[i]`` how many tokens row i has produced so far (for ``min_tokens``).
-        """
+    def __call__(self, logits: torch.Tensor, rows: SamplerInputs) -> torch.Tensor:
+        """Sample one token per row of ``logits`` (B, V); returns int64 (B,) on the logits' device."""
         num_rows = logits.shape[0]
-        if not (len(params) == len(prev_token_ids) == len(num_output_tokens) == len(eos_token_ids)
-                == len(generators) == num_rows):
-            raise ValueError(f"sampler inputs disagree on the batch size ({num_rows} logits rows)")
+        rows.check(num_rows)
         if num_rows == 0:
             return torch.empty(0, dtype=torch.int64, device=logits.device)
 
-        logits = self.apply_penalties(logits, params, prev_token_ids, num_output_tokens, eos_token_ids)
+        logits = self.apply_penalties(logits, rows)
+        params, generators = rows.params, rows.generators
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
@@ -96,19 +117,12 @@ class Sampler:
                                [generators[i] for i in random_rows])
         return greedy.index_copy(0, index, sampled)
 
-    def apply_penalties(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        prev_token_ids: Sequence[Sequence[int]],
-        num_output_tokens: Sequence[int],
-        eos_token_ids: Sequence[tuple[int, ...]],
-    ) -> torch.Tensor:
+    def apply_penalties(self, logits: torch.Tensor, rows: SamplerInputs) -> torch.Tensor:
         """The float32 logits that greedy decoding takes the argmax of: repetition penalty applied,
         and stop tokens banned below ``min_tokens``. Never writes into ``logits`` (may return it as is)."""
         logits = logits.float()
-        logits = self._apply_repetition_penalty(logits, params, prev_token_ids)
-        return self._mask_stop_tokens(logits, params, num_output_tokens, eos_token_ids)
+        logits = self._apply_repetition_penalty(logits, rows.params, rows.prev_token_ids)
+        return self._mask_stop_tokens(logits, rows.params, rows.num_output_tokens, rows.eos_token_ids)
 
     # --- logits processors --------------------------------------------------------------------
     # A processor added here must also be ruled out by `is_plain_argmax`.

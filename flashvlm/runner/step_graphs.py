@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from flashvlm.attention.base import AttentionBackend, AttentionMetadata
+from flashvlm.attention.base import AttentionBackend, AttentionStep
+from flashvlm.config import EngineConfig
 from flashvlm.layers.attention import ForwardContext
 from flashvlm.models.interfaces import VLModel
 from flashvlm.runner.cuda_graph import GraphSet
 
+MIN_GRAPH_TOKENS = 16
+"""The smallest bucket's token count: an engine whose token bound is below it captures no step graphs."""
 _SEQ_BUCKETS = (1, 4, 16, 64, 256)
 _MIXED_MAX_TOKENS = 512
 """Above this, buckets serve a single sequence's prefill chunk only, in steps of _LARGE_STEP tokens."""
@@ -36,11 +39,11 @@ def step_buckets(max_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
     11% with 128-token steps); and mixed batches at
     1024 and 2048 tokens, where even doubled compute undercuts an eager step's ~27 ms of launches."""
     small_max = min(max_tokens, _MIXED_MAX_TOKENS)
-    token_sizes, t = [], 16
+    token_sizes, t = [], MIN_GRAPH_TOKENS
     while t < small_max:
         token_sizes.append(t)
         t *= 2
-    if small_max >= 16:
+    if small_max >= MIN_GRAPH_TOKENS:
         token_sizes.append(small_max)
     seq_sizes = sorted({s for s in _SEQ_BUCKETS if s < max_num_seqs} | {max_num_seqs})
     buckets = [(t, s) for t in token_sizes for s in seq_sizes if s <= t]
@@ -49,6 +52,12 @@ def step_buckets(max_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
         large.append(max_tokens)
     mixed = [(t, s) for t in (1024, 2048) if t <= max_tokens for s in seq_sizes if 1 < s <= t]
     return buckets + [(t, 1) for t in large] + mixed
+
+
+def step_graph_max_tokens(config: EngineConfig) -> int:
+    """The largest step-graph bucket's token count for an engine, or 0 when it captures no step graphs."""
+    tokens = min(config.prefill_graph_max_tokens, config.scheduler.max_num_batched_tokens)
+    return tokens if tokens >= MIN_GRAPH_TOKENS else 0
 
 
 class StepGraphs(GraphSet):
@@ -66,10 +75,7 @@ class StepGraphs(GraphSet):
         max_blocks = (max_model_len + block_size - 1) // block_size
         self.embeds = torch.zeros(t_max, hidden_size, dtype=dtype, device=device)
         self.positions = torch.zeros((3, t_max) if model.uses_mrope else (t_max,), dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((t_max,), -1, dtype=torch.long, device=device)
-        self.query_start_loc = torch.zeros(s_max + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(s_max, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((s_max, max_blocks), dtype=torch.int32, device=device)
+        self.attn_buffers = backend.graph_buffers(t_max, s_max, max_blocks, block_size, device)
         self.sample_rows = torch.zeros(s_max, dtype=torch.long, device=device)
 
     def bucket(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
@@ -79,28 +85,24 @@ class StepGraphs(GraphSet):
 
     def _forward(self, key: tuple[int, int]) -> torch.Tensor:
         tokens, seqs = key
-        # Host fields describe the bucket only: the prefill kernels (Triton's, FA4's) read device tensors and take
+        # Bounds for every step of the bucket: the prefill kernels (Triton's, FA4's) read device tensors and take
         # max_query_len and max_seq_len as bounds, here the bucket's token count and max_model_len.
-        meta = AttentionMetadata(
-            query_start_loc=self.query_start_loc[: seqs + 1], seq_lens=self.seq_lens[:seqs],
-            block_tables=self.block_tables[:seqs], slot_mapping=self.slot_mapping[:tokens],
-            block_size=self.block_size, query_start_loc_host=[0] * (seqs + 1), seq_lens_host=[0] * seqs,
-            max_query_len=tokens, max_seq_len=self.max_model_len)
+        meta = self.backend.graph_metadata(self.attn_buffers, tokens, seqs, max_query_len=tokens,
+                                           max_seq_len=self.max_model_len)
         ctx = ForwardContext(attn_meta=meta, kv_caches=self.kv_caches, backend=self.backend)
         hidden = self.model(self.embeds[:tokens], self.positions[..., :tokens], ctx)
         return self.model.compute_logits(hidden.index_select(0, self.sample_rows[:seqs]))
 
     def _reset_padding(self) -> None:
-        self.slot_mapping.fill_(-1)
-        self.seq_lens.zero_()
-        self.query_start_loc.zero_()
+        self.backend.reset_graph_buffers(self.attn_buffers)
+        self.attn_buffers.query_start_loc.zero_()
         self.sample_rows.zero_()
 
-    def run(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    def run(self, embeds: torch.Tensor, positions: torch.Tensor, step: AttentionStep,
             sample_rows: torch.Tensor) -> torch.Tensor:
         """Logits (len(sample_rows), vocab) of the step's sampled rows. Without a captured graph for the bucket
         (CPU tests), the same padded body runs eagerly."""
-        n, b, k = embeds.shape[0], meta.num_seqs, sample_rows.shape[0]
+        n, b, k = embeds.shape[0], step.num_seqs, sample_rows.shape[0]
         key = self.bucket(n, b)
         if key is None:
             raise ValueError(f"a step of {n} tokens in {b} sequences exceeds every graph bucket")
@@ -109,14 +111,7 @@ class StepGraphs(GraphSet):
         self.embeds[n:tokens].zero_()
         self.positions[..., :n].copy_(positions)
         self.positions[..., n:tokens].zero_()
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n:tokens].fill_(-1)
-        self.query_start_loc[: b + 1].copy_(meta.query_start_loc)
-        self.query_start_loc[b + 1: seqs + 1].fill_(n)  # padding sequences: no new tokens
-        self.seq_lens[:b].copy_(meta.seq_lens)
-        self.seq_lens[b:seqs].zero_()
-        width = meta.block_tables.shape[1]
-        self.block_tables[:b, :width].copy_(meta.block_tables)
+        self.backend.fill_graph_buffers(self.attn_buffers, step, tokens, seqs)
         self.sample_rows[:k].copy_(sample_rows)
         self.sample_rows[k:seqs].zero_()
         graph = self.graphs.get(key)
@@ -125,4 +120,3 @@ class StepGraphs(GraphSet):
                 return self._forward(key)[:k]
         graph.replay()
         return self.outputs[key][:k]
-

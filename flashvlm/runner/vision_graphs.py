@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from flashvlm.layers.vision_attention import keep_index_tensors
+from flashvlm.attention.vision import keep_index_tensors
 from flashvlm.request import MMItem
 from flashvlm.runner.cuda_graph import capture_graph
 

@@ -239,5 +239,5 @@ def test_memory_profile_sampling_leaves_the_engine_generator_alone(ckpt) -> None
     runner = LLM(str(ckpt), device="cpu", kv_cache_tokens=1024).engine.runner
     before = runner.sampler.default_generator.get_state().clone()
     logits = torch.randn(runner.config.scheduler.max_num_seqs, runner.model.vocab_size)
-    runner._profile_sampler(logits)
+    runner.planner.profile_sampler(logits)
     assert torch.equal(runner.sampler.default_generator.get_state(), before)

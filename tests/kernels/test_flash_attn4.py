@@ -157,7 +157,7 @@ def test_qwen25_window_tower_matches_float32(fa4_calls: list[int], tmp_path) -> 
     import copy
 
     from flashvlm import LLM, SamplingParams
-    from flashvlm.kernels.dispatch import set_vision_attention
+    from flashvlm.attention.vision import set_vision_attention
     from flashvlm.testing.tiny_checkpoints import build_qwen2_vl
 
     build_qwen2_vl(tmp_path, qwen25=True, seed=5, vision_width=160)

@@ -57,10 +57,11 @@ def test_unavailable_reason_on_this_machine() -> None:
 
 
 def test_set_vision_attention_reaches_every_tower_layer() -> None:
+    from flashvlm.attention.vision import set_vision_attention
     from flashvlm.models.vision.qwen_vit import VisionAttention
 
     model = torch.nn.Sequential(VisionAttention(32, 4), torch.nn.Linear(2, 2), VisionAttention(32, 2))
-    dispatch.set_vision_attention(model, "fa4")
+    set_vision_attention(model, "fa4")
     assert [m.attention_impl for m in model if isinstance(m, VisionAttention)] == ["fa4", "fa4"]
 
 

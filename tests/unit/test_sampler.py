@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
 )
 
 from flashvlm.request import SamplingParams
-from flashvlm.runner.sampler import Sampler, make_generator
+from flashvlm.runner.sampler import Sampler, SamplerInputs, make_generator
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -28,14 +28,13 @@ def run(
     gens: list[torch.Generator | None] | None = None,
 ) -> torch.Tensor:
     b = logits.shape[0]
-    return sampler(
-        logits,
+    return sampler(logits, SamplerInputs(
         params,
         prev if prev is not None else [[] for _ in range(b)],
         num_out if num_out is not None else [0] * b,
         eos if eos is not None else [() for _ in range(b)],
         gens if gens is not None else [None] * b,
-    )
+    ))
 
 
 def random_logits(b: int, v: int, device: str, seed: int = 0) -> torch.Tensor:
@@ -118,7 +117,7 @@ def test_repetition_penalty_matches_transformers(device: str) -> None:
     logits = random_logits(3, 50, device, seed=2)
     prev = [[1, 4, 4, 7, 49], [0, 2, 3], [5]]
     params = [SamplingParams(temperature=0.0, repetition_penalty=1.3)] * 3
-    got = Sampler().apply_penalties(logits, params, prev, [0] * 3, [()] * 3)
+    got = Sampler().apply_penalties(logits, SamplerInputs(params, prev, [0] * 3, [()] * 3, [None] * 3))
     for i in range(3):
         ref = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prev[i]]), logits[i : i + 1].cpu())
         assert torch.equal(got[i].cpu(), ref[0])
@@ -128,7 +127,8 @@ def test_repetition_penalty_matches_transformers(device: str) -> None:
 def test_repetition_penalty_by_hand() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [2.0, -1.0, 0.5, 3.0]])
     params = [SamplingParams(repetition_penalty=2.0), SamplingParams()]
-    got = Sampler().apply_penalties(logits, params, [[0, 1, 1], [0, 1]], [0, 0], [(), ()])
+    got = Sampler().apply_penalties(logits, SamplerInputs(params, [[0, 1, 1], [0, 1]], [0, 0], [(), ()],
+                                                            [None, None]))
     assert got.tolist() == [[1.0, -2.0, 0.5, 3.0], [2.0, -1.0, 0.5, 3.0]]
     assert logits[0, 0] == 2.0  # the caller's tensor is not modified
 

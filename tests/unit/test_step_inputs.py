@@ -26,7 +26,7 @@ def test_decode_fast_path_equals_general_path(tmp_path, family) -> None:
             for name in ("input_ids", "positions", "sample_rows"):
                 assert torch.equal(getattr(fast, name), getattr(general, name)), name
             assert fast.sample_request_ids == general.sample_request_ids
-            fm, gm = fast.attn_meta, general.attn_meta
+            fm, gm = fast.attn_step, general.attn_step
             for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
                 assert torch.equal(getattr(fm, name), getattr(gm, name)), name
             assert (fm.query_start_loc_host, fm.seq_lens_host, fm.max_query_len, fm.max_seq_len) == (
@@ -34,7 +34,7 @@ def test_decode_fast_path_equals_general_path(tmp_path, family) -> None:
             compared.append(batch.num_seqs)
         return batch
 
-    import flashvlm.runner.model_runner as runner_mod
+    import flashvlm.runner.executor as runner_mod
 
     runner_mod.decode_batch = checking_batch
     try:
