@@ -118,7 +118,7 @@ class AsyncEngine:
     # ---- properties ---------------------------------------------------------------------------
     @property
     def max_model_len(self) -> int:
-        return self.engine.config.scheduler.max_model_len
+        return self.engine.max_model_len
 
     @property
     def is_alive(self) -> bool:

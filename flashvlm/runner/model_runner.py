@@ -78,8 +78,10 @@ class _Timer:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: VLModel, dtype: torch.dtype) -> None:
+    def __init__(self, config: EngineConfig, model: VLModel, dtype: torch.dtype, *, max_model_len: int) -> None:
         self.config = config
+        self.max_model_len = max_model_len
+        """EngineLimits.max_model_len: the graphs' longest sequence and the decode split bound."""
         self.model = model
         self.dtype = dtype
         self.device = torch.device(config.device)
@@ -89,7 +91,7 @@ class ModelRunner:
         if self.backend.graph_capturable:
             # Decode split counts follow the batch shape only, never the step's lengths: graphs need that, and
             # eager steps use the same splits so both paths reduce in the same order (identical bf16 results).
-            self.backend.max_seq_len_bound = config.scheduler.max_model_len
+            self.backend.max_seq_len_bound = max_model_len
         self.graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
         """Graphs for prefill and mixed steps up to config.prefill_graph_max_tokens (CUDA only)."""
@@ -131,7 +133,7 @@ class ModelRunner:
             return cache.kv_cache_tokens // self.block_size + 1  # +1: block 0 is the null block
         if self.device.type != "cuda":
             sched = self.config.scheduler
-            tokens = sched.max_model_len * min(sched.max_num_seqs, 8)
+            tokens = self.max_model_len * min(sched.max_num_seqs, 8)
             return tokens // self.block_size + 2
         free, total = torch.cuda.mem_get_info(self.device)
         peak = self.profile_peak_memory(vision_items() if vision_items is not None else [])
@@ -228,7 +230,7 @@ class ModelRunner:
         if self.use_cuda_graphs:
             sched = self.config.scheduler
             self.graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, sched.max_num_seqs,
-                                       sched.max_model_len, self.block_size, self.device)
+                                       self.max_model_len, self.block_size, self.device)
             self.graphs.capture()
             reserve = self._decode_graph_reserve()
             if self.graphs.memory_bytes > reserve:
@@ -237,7 +239,7 @@ class ModelRunner:
                                "gpu_memory_utilization if steps run out of memory", self.graphs.memory_bytes / 2**20,
                                reserve / 2**20)
             if self.config.decode_lookahead:
-                self.pipeline = GreedyDecodePipeline(self.graphs, self.block_size, sched.max_model_len)
+                self.pipeline = GreedyDecodePipeline(self.graphs, self.block_size, self.max_model_len)
             if self.config.vision_graphs > 0 and self.model.vision_graphable:
                 self.vision_graphs = VisionGraphs(self.model.encode_images, self.device, self.dtype,
                                                   max_graphs=self.config.vision_graphs)
@@ -250,7 +252,7 @@ class ModelRunner:
         sched = self.config.scheduler
         hidden = self.model.language_model.embed_tokens.embedding_dim
         return StepGraphs(self.model, self.backend, self.kv_caches, max_tokens, sched.max_num_seqs,
-                          sched.max_model_len, self.block_size, hidden, self.dtype, self.device)
+                          self.max_model_len, self.block_size, hidden, self.dtype, self.device)
 
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
