@@ -126,8 +126,7 @@ class EngineConfig:
         False, help="rescale, normalize and patchify images on the engine's GPU (decode and resize stay on the "
                     "CPU); the preprocessed pixels of queued requests then live in GPU memory, outside the KV "
                     "budget: opt-in")
-    enforce_eager: bool = option(False, help="never use CUDA graphs (graphs need the triton or fa4 attention "
-                                             "backend on CUDA)")
+    enforce_eager: bool = option(False, help="never use CUDA graphs (they need the triton or fa4 attention backend)")
     vision_graphs: int = option(4, minimum=0,
                                 help="most vision-tower CUDA graphs kept, one per recurring image batch shape "
                                      "(captured the second time a shape is seen; 0: the tower always runs eagerly)")
