@@ -1,69 +1,105 @@
-"""Engine configuration: plain dataclasses, validated once in `EngineConfig.validate()` and passed down."""
+"""Engine configuration: plain dataclasses, validated once in `EngineConfig.validate()` and passed down.
+
+Each field is one engine option, declared once with `option()`: its default, help text, allowed values and
+check. The CLI flags (`flashvlm/options.py`), `LLM`'s keywords and the table in docs/engine.md follow from these
+fields. Values the engine derives at start-up are not here: they live in `flashvlm/engine/limits.py`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+import functools
+from dataclasses import MISSING, dataclass, field
 from typing import Any
 
-_DTYPES = ("auto", "float32", "float16", "bfloat16")
+from flashvlm.option_spec import EngineOption, collect_options, option
 
 
 class ConfigError(ValueError):
     """An engine setting that cannot work; raised before any weights are loaded."""
 
 
+class UnknownOptionError(ConfigError, TypeError):
+    """A keyword that names no engine option (a TypeError too, as for any unexpected keyword argument)."""
+
+
+def _power_of_two(name: str, value: Any) -> str | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1 and not value & (value - 1)
+    return None if ok else f"{name} must be a power of two, got {value}"
+
+
+def _fraction(name: str, value: Any) -> str | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 < value <= 1.0
+    return None if ok else f"{name} must be in (0, 1], got {value}"
+
+
+def _group_caps(name: str, value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return f"{name} must be a dict of group name to a positive integer, got {value!r}"
+    for group, cap in value.items():
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            return f"{name}[{group!r}] must be a positive integer, got {cap!r}"
+    return None
+
+
+def _device(name: str, value: Any) -> str | None:
+    ok = isinstance(value, str) and (value == "auto" or value.split(":")[0] in ("cpu", "cuda"))
+    return None if ok else f"{name} must be 'cpu', 'cuda' or 'cuda:N', got {value!r}"
+
+
 @dataclass
 class ModelConfig:
-    model: str
-    """Path to a Hugging Face checkpoint folder."""
-    dtype: str = "auto"
-    """auto = the checkpoint's dtype on GPU, float32 on CPU (CPU half precision is slow and imprecise)."""
-    load_format: str = "auto"
-    """auto = read safetensors; dummy = seeded random weights (benchmarks only)."""
-    seed: int = 0
-    max_model_len: int | None = None
-    """None = the model's max_position_embeddings."""
-    hf_overrides: dict[str, Any] = field(default_factory=dict)
+    model: str = option(help="path to a local Hugging Face checkpoint folder (Qwen2-VL, Qwen2.5-VL, LLaVA-1.5 in "
+                             "llava-hf form)", shown_default="the embedded demo model (docs/demo.md)")
+    dtype: str = option("auto", choices=("auto", "float32", "float16", "bfloat16"),
+                        help="weights and activations dtype; auto = the checkpoint's dtype on GPU, float32 on CPU "
+                             "(CPU half precision is slow and imprecise)")
+    load_format: str = option("auto", choices=("auto", "dummy"),
+                              help="auto = read the safetensors weights; dummy = seeded random weights from "
+                                   "config.json alone (benchmarks)")
+    seed: int = option(0, help="seed for random weights and unseeded sampling")
+    max_model_len: int | None = option(None, minimum=1, shown_default="the model's max_position_embeddings",
+                                       help="longest prompt + output of one request, in tokens")
+    hf_overrides: dict[str, Any] = option(default_factory=dict, cli=False,
+                                          help="keyword overrides for the checkpoint's transformers config "
+                                               "(passed to AutoConfig.from_pretrained)")
 
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16
-    kv_cache_tokens: int | None = None
-    """Exact KV capacity in tokens; overrides gpu_memory_utilization."""
-    gpu_memory_utilization: float = 0.9
-    """Fraction of GPU memory the engine may use (weights, activations and KV cache)."""
-    num_blocks: int = 0
-    """Filled in by the runner once it has sized the KV cache."""
-    enable_prefix_caching: bool = True
-    """Reuse the KV of full blocks whose tokens (and images) match an earlier request's prefix."""
-    encoder_cache_tokens: int = 8192
-    """Vision embeddings (in image tokens) kept for reuse after no request needs them; 0 = none kept."""
+    block_size: int = option(16, check=_power_of_two, help="tokens per KV cache block (a power of two)")
+    kv_cache_tokens: int | None = option(None, minimum=1, shown_default="sized from memory",
+                                         help="exact KV cache capacity in tokens; overrides gpu_memory_utilization")
+    gpu_memory_utilization: float = option(0.9, check=_fraction,
+                                           help="fraction of GPU memory the engine may use: weights, activations "
+                                                "and KV cache")
+    enable_prefix_caching: bool = option(True, help="reuse the KV of full blocks whose tokens (and images) match an "
+                                                    "earlier request's prefix (docs/caching.md)")
+    encoder_cache_tokens: int = option(8192, minimum=0,
+                                       help="image tokens of vision embeddings kept for reuse once no request "
+                                            "needs them (0: none kept)")
 
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 0
-    """Filled from ModelConfig once the checkpoint's limit is known."""
-    max_running_per_group: dict[str, int] = field(default_factory=dict)
-    """Hard cap on running requests per scheduling group (the server's SLA tiers: their max_batch); a group at
-    its cap waits while requests of other groups behind it are admitted. Groups not named: no cap."""
-    share_running_per_group: dict[str, int] = field(default_factory=dict)
-    """Soft cap per group (the SLA tiers' share of max_num_seqs): past it, a group's requests start only on
-    slots no other waiting request takes, and such a borrowed slot is taken back (preempted) when a
-    better-priority request of a group within its share finds the batch full."""
-    lookahead_slots: int = 0
-    """Filled by the engine: 1 when the runner launches decode steps ahead (decode_lookahead with CUDA graphs).
-    A decoding request then also holds the block of its next token when one is free, so the step launched
-    ahead never waits on an allocation. Such a block is taken only from a surplus (a free block left for every
-    running request), so no running request's own token preempts anyone for it; a new request admitted in the
-    same step may find fewer free blocks and preempt a lower-priority one."""
-    shared_prefix_wait_tokens: int = 256
-    """A waiting request whose next uncached prompt blocks (this many tokens or more, e.g. a repeated image's
-    placeholders) are being computed right now by a running request waits until they are cached, and lets
-    requests behind it go first: it then reuses them instead of computing a copy. 0 = never wait."""
+    max_num_seqs: int = option(64, minimum=1, help="most requests in one batch")
+    max_num_batched_tokens: int = option(2048, minimum=1,
+                                         help="token budget of one step; longer prompts are prefilled in chunks")
+    max_running_per_group: dict[str, int] = option(
+        default_factory=dict, check=_group_caps, cli=False,
+        help="hard cap on running requests per scheduling group (the server's SLA tiers: their max_batch); a "
+             "group at its cap waits while requests of other groups behind it are admitted; groups not named: "
+             "no cap")
+    share_running_per_group: dict[str, int] = option(
+        default_factory=dict, check=_group_caps, cli=False,
+        help="soft cap per group (the SLA tiers' share of max_num_seqs): past it, a group's requests start only "
+             "on slots no other waiting request takes, and such a borrowed slot is taken back (preempted) when a "
+             "better-priority request of a group within its share finds the batch full")
+    shared_prefix_wait_tokens: int = option(
+        256, minimum=0,
+        help="a waiting request whose next uncached prompt blocks (at least this many tokens, e.g. a repeated "
+             "image's placeholders) are being computed by a running request waits until they are cached, letting "
+             "requests behind it go first, then reuses them instead of computing a copy (0: never wait)")
 
 
 @dataclass
@@ -71,80 +107,83 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    device: str = "auto"
-    attention_backend: str = "auto"
-    """auto (fa4 where it runs, else triton on CUDA when Triton imports, else reference), reference (plain torch,
-    any device), triton (paged Triton kernels; CUDA, or CPU under TRITON_INTERPRET=1) or fa4 (prefill through
-    the optional FlashAttention-4 package on Hopper, decode through our Triton kernel; bf16/fp16 models)."""
-    vision_attention: str = "auto"
-    """The Qwen vision towers' attention: auto (fa4 where it runs, unless attention_backend is reference, else
-    sdpa), sdpa (torch's fused kernels; cuDNN pads the ViT's head dim 80 to 128) or fa4 (FlashAttention-4, head
-    dim 80 as it is). LLaVA's CLIP tower always uses SDPA."""
-    kernel_backend: str = "triton"
-    """Fused norm / rotary / activation ops: triton (on CUDA tensors) or torch (the reference path)."""
-    preprocess_on_gpu: bool = False
-    """Rescale, normalize and patchify images on the engine's GPU (decode and resize stay on the CPU). The
-    preprocessed pixels of queued requests then live in GPU memory, outside the KV budget: opt-in."""
-    enforce_eager: bool = False
-    """Never use CUDA graphs (they need the triton attention backend on CUDA)."""
-    vision_graphs: int = 4
-    """Most vision-tower CUDA graphs kept, one per recurring batch shape (captured the second time a shape is
-    seen); 0 = the tower always runs eagerly."""
-    decode_gemv: bool = True
-    """Linear projections of at most 16 rows (decode at batch <= 16 and the LM head; also prefill chunks or vision
-    calls that small) run our Triton GEMV instead of cuBLAS (kernels/gemv.py). Needs kernel_backend="triton"."""
-    decode_lookahead: bool = True
-    """All-greedy pure-decode steps launch the next decode step before reading their own tokens, so the host's
-    per-step work overlaps the GPU (runner/lookahead.py). Needs the decode graphs."""
-    prefill_graph_max_tokens: int = 2048
-    """Steps that are not pure decode (prefill chunks, cached-prefix extends, mixed batches) of up to this many
-    tokens replay CUDA graphs too; 0 = only decode steps do. Bounded by max_num_batched_tokens."""
+    device: str = option("auto", check=_device, help="cpu, cuda or cuda:N; auto = cuda if available, else cpu")
+    attention_backend: str = option(
+        "auto", choices=("auto", "reference", "triton", "fa4"),
+        help="the LM's paged attention: auto = fa4 where it runs, else triton on CUDA when Triton imports, else "
+             "reference; reference = plain torch, any device; triton = our paged Triton kernels (CUDA, or CPU "
+             "under TRITON_INTERPRET=1); fa4 = prefill-type steps through the optional FlashAttention-4 package "
+             "(pip install 'flashvlm[fa4]', Hopper GPUs, bf16/fp16 models), decode through our Triton kernel")
+    vision_attention: str = option(
+        "auto", choices=("auto", "sdpa", "fa4"),
+        help="the Qwen2-VL/Qwen2.5-VL vision towers' attention: auto = fa4 where it runs (not with "
+             "attention_backend reference), else sdpa; sdpa = torch's fused kernels (cuDNN pads the ViT's head dim "
+             "80 to 128); fa4 = FlashAttention-4, head dim 80 as it is. LLaVA's CLIP tower always uses SDPA")
+    kernel_backend: str = option("triton", choices=("triton", "torch"),
+                                 help="fused RMSNorm+residual, rotary and SiLU-and-mul ops: triton (on CUDA "
+                                      "tensors) or torch (the reference ops)")
+    preprocess_on_gpu: bool = option(
+        False, help="rescale, normalize and patchify images on the engine's GPU (decode and resize stay on the "
+                    "CPU); the preprocessed pixels of queued requests then live in GPU memory, outside the KV "
+                    "budget: opt-in")
+    enforce_eager: bool = option(False, help="never use CUDA graphs (they need the triton or fa4 attention backend)")
+    vision_graphs: int = option(4, minimum=0,
+                                help="most vision-tower CUDA graphs kept, one per recurring image batch shape "
+                                     "(captured the second time a shape is seen; 0: the tower always runs eagerly)")
+    decode_gemv: bool = option(
+        True, help="linear projections of at most 16 rows (decode at batch <= 16 and the LM head; also prefill "
+                   "chunks or vision calls that small) run our Triton GEMV (kernels/gemv.py), which streams weights "
+                   "faster than cuBLAS at these shapes; needs kernel_backend triton")
+    decode_lookahead: bool = option(
+        True, help="all-greedy pure-decode steps launch the next decode step before reading their own tokens, so "
+                   "the host's per-step work overlaps the GPU (runner/lookahead.py); needs the decode CUDA graphs")
+    prefill_graph_max_tokens: int = option(
+        2048, minimum=0,
+        help="steps that are not pure decode (prefill chunks, cached-prefix extends, mixed batches) of up to this "
+             "many tokens (and max_num_batched_tokens) replay CUDA graphs too; 0: only decode steps do")
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options: Any) -> EngineConfig:
+        """The config of `LLM(model, **options)`: each keyword is an option's name (docs/engine.md); an unknown
+        one is an UnknownOptionError naming the closest. model=None: the embedded demo model. Not validated yet
+        (Engine validates it)."""
+        if model is None:
+            from flashvlm.models.default import default_model_path
+
+            model = str(default_model_path())
+        known = {opt.name: opt for opt in engine_options()}
+        for name in options:
+            if name not in known:
+                close = difflib.get_close_matches(name, list(known), n=3)
+                raise UnknownOptionError(f"unknown engine option {name!r}"
+                                         + (f"; did you mean {' or '.join(close)}?" if close else ""))
+        sections: dict[str | None, dict[str, Any]] = {None: {}, "model": {"model": model}, "cache": {},
+                                                      "scheduler": {}}
+        for name, value in options.items():
+            opt = known[name]
+            if value is None and opt.field.default_factory is not MISSING:
+                value = opt.default  # None for a dict option: the default (empty)
+            elif isinstance(value, dict):
+                value = dict(value)  # the config never shares a caller's dict
+            sections[opt.section][name] = value
+        return cls(model=ModelConfig(**sections["model"]), cache=CacheConfig(**sections["cache"]),
+                   scheduler=SchedulerConfig(**sections["scheduler"]), **sections[None])
 
     def validate(self) -> EngineConfig:
-        m, c, s = self.model, self.cache, self.scheduler
-        if m.dtype not in _DTYPES:
-            raise ConfigError(f"dtype must be one of {_DTYPES}, got {m.dtype!r}")
-        if m.load_format not in ("auto", "dummy"):
-            raise ConfigError(f"load_format must be 'auto' or 'dummy', got {m.load_format!r}")
-        if m.max_model_len is not None and m.max_model_len < 1:
-            raise ConfigError(f"max_model_len must be >= 1, got {m.max_model_len}")
-        if c.block_size < 1 or c.block_size & (c.block_size - 1):
-            raise ConfigError(f"block_size must be a power of two, got {c.block_size}")
+        """Check every option (each against its own declaration, then the rules between options) and resolve
+        device="auto" and the attention backends. Raises ConfigError naming the option."""
+        for opt in engine_options():
+            owner = self if opt.section is None else getattr(self, opt.section)
+            problem = opt.spec.problem(opt.name, getattr(owner, opt.name))
+            if problem is not None:
+                raise ConfigError(problem)
+        c = self.cache
         if c.kv_cache_tokens is not None and c.kv_cache_tokens < c.block_size:
             raise ConfigError(f"kv_cache_tokens must be >= block_size ({c.block_size}), got {c.kv_cache_tokens}")
-        if c.encoder_cache_tokens < 0:
-            raise ConfigError(f"encoder_cache_tokens must be >= 0, got {c.encoder_cache_tokens}")
-        if not 0.0 < c.gpu_memory_utilization <= 1.0:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
-        if s.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
-        if s.max_num_batched_tokens < 1:
-            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
-        wait = s.shared_prefix_wait_tokens
-        if isinstance(wait, bool) or not isinstance(wait, int) or wait < 0:
-            raise ConfigError(f"shared_prefix_wait_tokens must be an integer >= 0, got {wait!r}")
-        for name, caps in (("max_running_per_group", s.max_running_per_group),
-                           ("share_running_per_group", s.share_running_per_group)):
-            for group, cap in caps.items():
-                if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-                    raise ConfigError(f"{name}[{group!r}] must be a positive integer, got {cap!r}")
-        if self.attention_backend not in ("auto", "reference", "triton", "fa4"):
-            raise ConfigError("attention_backend must be auto, reference, triton or fa4, "
-                              f"got {self.attention_backend!r}")
-        if self.vision_attention not in ("auto", "sdpa", "fa4"):
-            raise ConfigError(f"vision_attention must be auto, sdpa or fa4, got {self.vision_attention!r}")
-        if self.vision_graphs < 0:
-            raise ConfigError(f"vision_graphs must be >= 0, got {self.vision_graphs}")
-        if self.prefill_graph_max_tokens < 0:
-            raise ConfigError(f"prefill_graph_max_tokens must be >= 0, got {self.prefill_graph_max_tokens}")
-        if self.kernel_backend not in ("triton", "torch"):
-            raise ConfigError(f"kernel_backend must be 'triton' or 'torch', got {self.kernel_backend!r}")
         if self.device == "auto":
             import torch
 
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         self._resolve_attention()
         return self
 
@@ -180,3 +219,9 @@ class EngineConfig:
             self.vision_attention = "sdpa"
             changed.append("vision_attention fa4 -> sdpa")
         return changed
+
+
+@functools.cache
+def engine_options() -> tuple[EngineOption, ...]:
+    """Every engine option, in declaration order (model, cache, scheduler, then EngineConfig's own)."""
+    return tuple(collect_options(EngineConfig))

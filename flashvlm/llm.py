@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from flashvlm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from flashvlm.config import EngineConfig
 from flashvlm.engine.engine import Engine
 from flashvlm.processing.feeder import OrderedFeeder
 from flashvlm.processing.input_processor import ProcessedPrompt
@@ -16,45 +16,23 @@ from flashvlm.request import InvalidRequestError, RequestOutput, SamplingParams
 class LLM:
     """A vision-language model loaded from a Hugging Face checkpoint folder.
 
-    With `model=None` the embedded default (a tiny Qwen2-VL-architecture model) is used.
-    `kv_cache_tokens` fixes the KV capacity; otherwise on GPU the cache takes what
-    `gpu_memory_utilization` leaves after weights and the profiled activation peak.
-    `enable_prefix_caching` reuses the KV of a repeated prefix (images included); `encoder_cache_tokens`
-    is how many image tokens of vision embeddings are kept for reuse (docs/caching.md).
+    With `model=None` the embedded default (a tiny Qwen2-VL-architecture model) is used. Every other keyword is
+    an engine option (a field of flashvlm/config.py; docs/engine.md lists them all): e.g. `kv_cache_tokens`
+    fixes the KV capacity, otherwise on GPU the cache takes what `gpu_memory_utilization` leaves after weights
+    and the profiled activation peak; `enable_prefix_caching` reuses the KV of a repeated prefix (images
+    included) and `encoder_cache_tokens` is how many image tokens of vision embeddings are kept for reuse
+    (docs/caching.md). An unknown keyword is an UnknownOptionError (a TypeError) naming the closest options.
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 gpu_memory_utilization: float = 0.9, kv_cache_tokens: int | None = None, block_size: int = 16,
-                 seed: int = 0, load_format: str = "auto", attention_backend: str = "auto",
-                 vision_attention: str = "auto", kernel_backend: str = "triton", enforce_eager: bool = False,
-                 preprocess_on_gpu: bool = False,
-                 enable_prefix_caching: bool = True,
-                 encoder_cache_tokens: int = 8192, max_running_per_group: dict[str, int] | None = None,
-                 prefill_graph_max_tokens: int = 2048, vision_graphs: int = 4,
-                 shared_prefix_wait_tokens: int = 256,
-                 share_running_per_group: dict[str, int] | None = None, decode_lookahead: bool = True,
-                 decode_gemv: bool = True) -> None:
-        if model is None:
-            from flashvlm.models.default import default_model_path
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self.engine = Engine(EngineConfig.from_options(model, **engine_options))
 
-            model = str(default_model_path())
-        config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, load_format=load_format, seed=seed,
-                              max_model_len=max_model_len),
-            cache=CacheConfig(block_size=block_size, kv_cache_tokens=kv_cache_tokens,
-                              gpu_memory_utilization=gpu_memory_utilization,
-                              enable_prefix_caching=enable_prefix_caching, encoder_cache_tokens=encoder_cache_tokens),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_running_per_group=dict(max_running_per_group or {}),
-                                      shared_prefix_wait_tokens=shared_prefix_wait_tokens,
-                                      share_running_per_group=dict(share_running_per_group or {})),
-            device=device, attention_backend=attention_backend, vision_attention=vision_attention,
-            kernel_backend=kernel_backend,
-            enforce_eager=enforce_eager, preprocess_on_gpu=preprocess_on_gpu,
-            prefill_graph_max_tokens=prefill_graph_max_tokens, vision_graphs=vision_graphs,
-            decode_lookahead=decode_lookahead, decode_gemv=decode_gemv)
-        self.engine = Engine(config)
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM on an engine built from `config` (the CLI builds one from its flags)."""
+        llm = cls.__new__(cls)
+        llm.engine = Engine(config)
+        return llm
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -35,7 +35,7 @@ def main() -> None:
     peak = torch.cuda.max_memory_reserved()
     print(f"256 sampled requests: {sum(len(o.token_ids) for o in outs)} tokens; peak reserved "
           f"{peak / 2**30:.2f} GiB of {0.9 * total / 2**30:.2f} GiB allowed (total {total / 2**30:.1f} GiB); "
-          f"KV blocks {llm.engine.config.cache.num_blocks}")
+          f"KV blocks {llm.engine.limits.num_kv_blocks}")
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def run_ours(path: str) -> None:
     llm = LLM(path, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=16,
               max_num_batched_tokens=4096, gpu_memory_utilization=0.6)
     RESULTS["ours_load_s"] = time.perf_counter() - t0
-    RESULTS["kv_cache_blocks"] = llm.engine.config.cache.num_blocks
+    RESULTS["kv_cache_blocks"] = llm.engine.limits.num_kv_blocks
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     rows = []
     for h, w in [(448, 448), (1008, 756), (1344, 1344)]:

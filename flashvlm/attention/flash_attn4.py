@@ -1,6 +1,6 @@
 """FlashAttention-4 (the optional `flash-attn-4` package, CuTe DSL kernels) where it beats our own kernels.
 
-On the H200 (docs/BENCHMARKS.md, session 7) it runs the ViT's attention at head dim 80 as it is, where cuDNN pads
+On the H200 (docs/BENCHMARKS.md) it runs the ViT's attention at head dim 80 as it is, where cuDNN pads
 to 128 (774-795 against 1,058-1,069 us for one 1344x1344 image's 9,216 patches), and the LM's causal GQA prefill
 over our paged cache in 88 us where our Triton kernel takes 161 (one prompt of 2,370 tokens). Decode keeps our
 split-K kernel: its graphs and split counts are tuned for one token per sequence.

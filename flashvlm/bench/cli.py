@@ -43,9 +43,9 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    from flashvlm.cli import _add_engine_args
+    from flashvlm.options import add_engine_args
 
-    _add_engine_args(p)
+    add_engine_args(p)
     g = p.add_argument_group("benchmark model and baseline")
     g.add_argument("--benchmark-model", default=None, choices=["qwen2-vl-7b"],
                    help="a real-size config with random weights (implies --load-format dummy)")
@@ -91,7 +91,8 @@ def build_parser(sub: argparse._SubParsersAction) -> None:
                         description="Runs the workload once per engine configuration and ranks them; the first "
                                     "configuration is the baseline row of the ratio table.")
     p.add_argument("--configs", required=True,
-                   help='JSON list (or a file holding one) of {"name": ..., <LLM keyword>: value, ...}')
+                   help='JSON list (or a file holding one) of {"name": ..., <engine option>: value, ...} '
+                        '(option names as LLM keywords, docs/engine.md)')
     p.add_argument("--sweep-scenario", default="throughput", choices=["latency", "throughput", "multiturn"])
     add_model_args(p)
     add_workload_args(p, with_seed=False)
@@ -132,13 +133,6 @@ def _model_path(args: argparse.Namespace) -> str:
 
         return str(default_model_path())
     return args.model
-
-
-def _engine_kwargs(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    from flashvlm.cli import _engine_kwargs as base
-
-    kw = {**base(args), **(overrides or {})}
-    return kw
 
 
 def _progress(args: argparse.Namespace, total: int, desc: str):
@@ -208,6 +202,7 @@ def _free_device_memory() -> None:
 def _run_offline(args: argparse.Namespace, scenario: str, configs: list[dict[str, Any]]) -> list[ScenarioResult]:
     from flashvlm.bench.scenarios import SCENARIOS, warm_up
     from flashvlm.llm import LLM
+    from flashvlm.options import engine_config_from_args
 
     path = _model_path(args)
     runs: list[ScenarioResult] = []
@@ -217,7 +212,7 @@ def _run_offline(args: argparse.Namespace, scenario: str, configs: list[dict[str
     for cfg in configs:
         cfg = dict(cfg)
         label = cfg.pop("name", "flashvlm")
-        llm = LLM(path, **_engine_kwargs(args, cfg))
+        llm = LLM.from_config(engine_config_from_args(args, model=path, **cfg))
         if not requests:
             requests, workload = _workload(args, _PLACEHOLDERS.get(llm.engine.checkpoint.model_type, ""))
             floors = _floors(llm, requests, args)

@@ -101,6 +101,7 @@ def engine_config_dict(llm: LLM) -> dict[str, Any]:
 
     cfg = asdict(llm.engine.config)
     cfg["resolved_dtype"] = str(llm.engine.dtype)
+    cfg["limits"] = asdict(llm.engine.limits)  # what the engine derived at start-up (KV blocks, max_model_len)
     graphs = llm.engine.runner.graphs
     cfg["cuda_graphs"] = None if graphs is None else {
         "batch_sizes": graphs.sizes, "capture_s": graphs.capture_seconds, "memory_mb": graphs.memory_bytes / 2**20}

@@ -41,7 +41,7 @@ class EncoderCacheManager:
         self.num_evictions = 0
         self._entries: dict[str, EncoderCacheEntry] = {}
         self._by_request: dict[str, set[str]] = {}
-        # Entries with no users, oldest-released first: the LRU order issue 5's eviction needs.
+        # Entries with no users, oldest-released first: the order least-recently-used eviction takes.
         self._freeable: OrderedDict[str, None] = OrderedDict()
 
     # ---- queries -----------------------------------------------------------------------

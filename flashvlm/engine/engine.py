@@ -15,6 +15,7 @@ from flashvlm.cache.block_manager import BlockManager
 from flashvlm.cache.encoder_cache import EncoderCacheManager
 from flashvlm.config import EngineConfig
 from flashvlm.engine.detokenizer import IncrementalDetokenizer
+from flashvlm.engine.limits import EngineLimits, resolve_max_model_len
 from flashvlm.engine.scheduler import Scheduler
 from flashvlm.engine.stats import StepRecord
 from flashvlm.kernels.dispatch import set_kernel_backend
@@ -43,14 +44,7 @@ class Engine:
         torch.manual_seed(mc.seed)
         t0 = time.perf_counter()
         self.checkpoint = read_checkpoint(mc)
-        max_len = self.checkpoint.max_position_embeddings
-        if mc.max_model_len is not None:
-            if mc.max_model_len > max_len:
-                logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
-                               mc.max_model_len, max_len)
-            max_len = mc.max_model_len
-        config.scheduler.max_model_len = max_len
-        self.max_model_len = max_len
+        max_len = resolve_max_model_len(mc.max_model_len, self.checkpoint.max_position_embeddings)
         self.dtype = resolve_dtype(mc, self.checkpoint.hf_config, config.device)
         self.model = load_model(mc, self.checkpoint, config.device, self.dtype)
         set_kernel_backend(self.model, config.kernel_backend)
@@ -69,12 +63,14 @@ class Engine:
         self.runner = ModelRunner(config, self.model, self.dtype, max_model_len=max_len)
         num_blocks = self.runner.determine_num_blocks(
             lambda: self.input_processor.profile_items(config.scheduler.max_num_batched_tokens))
-        config.cache.num_blocks = num_blocks
         self.runner.allocate_kv_cache(num_blocks)
-        config.scheduler.lookahead_slots = 1 if self.runner.pipeline is not None else 0
+        self.limits = EngineLimits(max_model_len=max_len, num_kv_blocks=num_blocks,
+                                   lookahead_slots=1 if self.runner.pipeline is not None else 0)
+        """What this engine runs with, derived above; the config stays as validated."""
         self.scheduler = Scheduler(config.scheduler,
                                    BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching),
-                                   EncoderCacheManager(cache.encoder_cache_tokens))
+                                   EncoderCacheManager(cache.encoder_cache_tokens),
+                                   max_model_len=max_len, lookahead_slots=self.limits.lookahead_slots)
         self.tokenizer = self.checkpoint.tokenizer
         self.eos_token_ids = self.checkpoint.eos_token_ids()
         self._tracked: dict[str, _Tracked] = {}
@@ -84,6 +80,11 @@ class Engine:
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, loaded in %.1fs",
                     self.checkpoint.path.name, config.device, self.dtype, num_blocks,
                     config.cache.block_size, self.load_time)
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output of one request, in tokens (EngineLimits.max_model_len)."""
+        return self.limits.max_model_len
 
     # ---- requests ------------------------------------------------------------------------------
     def default_sampling_params(self) -> SamplingParams:
@@ -119,7 +120,7 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._tracked:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-        n, limit = len(processed.prompt_token_ids), self.config.scheduler.max_model_len
+        n, limit = len(processed.prompt_token_ids), self.max_model_len
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
         if n >= limit:
@@ -131,7 +132,7 @@ class Engine:
                       eos_token_ids=self.eos_token_ids, preprocess_s=processed.preprocess_s, group=group)
         if not self.scheduler.can_ever_fit(req):
             raise InvalidRequestError(f"prompt of {n} tokens needs more KV cache than the engine has "
-                                      f"({self.config.cache.num_blocks - 1} blocks of {self.config.cache.block_size})")
+                                      f"({self.limits.num_kv_blocks - 1} blocks of {self.config.cache.block_size})")
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens, params.stop)
         self._tracked[request_id] = _Tracked(req, detok)
         self.scheduler.add_request(req)

@@ -36,8 +36,10 @@ class Scheduler(WaitingAdmission):
     requests is in engine/sched_waiting.py."""
 
     def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager,
-                 encoder_cache: EncoderCacheManager) -> None:
+                 encoder_cache: EncoderCacheManager, *, max_model_len: int, lookahead_slots: int) -> None:
         self.config = scheduler_config
+        self.max_model_len = max_model_len  # EngineLimits.max_model_len; 0: no limit (unit tests)
+        self.lookahead_slots = lookahead_slots  # EngineLimits.lookahead_slots says what it buys
         self.block_manager = block_manager
         self.encoder_cache = encoder_cache
         self.requests: dict[str, Request] = {}
@@ -111,8 +113,8 @@ class Scheduler(WaitingAdmission):
     def max_kv_tokens(self, req: Request) -> int:
         """Most tokens of KV the request can ever hold: the last sampled token is never computed."""
         final = req.num_prompt_tokens + req.sampling_params.max_tokens
-        if self.config.max_model_len > 0:
-            final = min(final, max(self.config.max_model_len, req.num_prompt_tokens + 1))
+        if self.max_model_len > 0:
+            final = min(final, max(self.max_model_len, req.num_prompt_tokens + 1))
         return final - 1
 
     def can_ever_fit(self, req: Request) -> bool:
@@ -260,7 +262,7 @@ class Scheduler(WaitingAdmission):
         latest arrival) while blocks run out. False if that preempted the request itself."""
         num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
         target = req.num_computed_tokens + num_new
-        ahead = self.config.lookahead_slots
+        ahead = self.lookahead_slots
         # Only from a comfortable surplus (a block for every running request left over), so a lookahead slot
         # never makes another request's real token preempt anyone.
         if (ahead and num_new == 1 and req.output_token_ids and target + ahead <= self.max_kv_tokens(req)
@@ -341,6 +343,6 @@ class Scheduler(WaitingAdmission):
                 return RequestStatus.FINISHED_STOPPED
         if num_out >= sp.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if 0 < self.config.max_model_len <= req.num_tokens:
+        if 0 < self.max_model_len <= req.num_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

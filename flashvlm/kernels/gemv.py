@@ -13,7 +13,7 @@ is reset by that program, so the counters (`locks`, int32 zeros, one per column 
 next call on the same stream and inside CUDA graphs.
 
 Reference: `gemv_reference` (torch's linear). Tried and dropped: SiLU-and-mul fused into the down projection's
-input loads ran ~10x slower than cuBLAS plus the separate activation kernel (scripts/gpu_gemv.py, session 6).
+input loads ran ~10x slower than cuBLAS plus the separate activation kernel (scripts/gpu_gemv.py).
 """
 
 from __future__ import annotations

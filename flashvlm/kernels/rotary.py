@@ -4,7 +4,7 @@ The torch path (`flashvlm.layers.rotary.apply_rotary_reference`) costs five kern
 layer; under CUDA graphs those small launches, not their bytes, are what a decode step pays for. This kernel
 rounds where torch rounds (`x * cos` and `rotate_half(x) * sin` each to the activation dtype, then their sum).
 Under Triton's interpreter that is bit-identical to the reference in fp16; compiled on the H200 about a quarter
-of the bf16/fp16 elements land one ulp away (measured 2026-11-29; the compiled arithmetic differs somewhere we
+of the bf16/fp16 elements land one ulp away (measured; the compiled arithmetic differs somewhere we
 have not isolated), which the tests bound.
 """
 

@@ -51,6 +51,7 @@ class ModelRunner:
         self.model = model
         self.dtype = dtype
         self.max_model_len = max_model_len
+        """EngineLimits.max_model_len: the graphs' longest sequence and the decode split bound."""
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         self.backend = get_backend(config.attention_backend)

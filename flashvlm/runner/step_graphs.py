@@ -2,7 +2,7 @@
 follow-up turn) and mixed prefill + decode batches, up to a token bound.
 
 Why: an eager forward of a 28-layer model costs about 27 ms of host launch work on the H200 whatever the step's
-size (docs/BENCHMARKS.md, 2026-11-29), so a 14-token extend took as long as a 1,038-token prefill. A graph
+size (docs/BENCHMARKS.md), so a 14-token extend took as long as a 1,038-token prefill. A graph
 replays those launches in one call.
 
 A step of N tokens in B sequences replays the graph of the smallest bucket (T, S) with T >= N and S >= B. The

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from flashvlm.cli import _add_engine_args, _engine_kwargs
+from flashvlm.options import add_engine_args, engine_config_from_args
 from flashvlm.server import limits
 
 _DESCRIPTION = """Serve a vision-language model over an OpenAI-compatible HTTP API:
@@ -22,7 +22,7 @@ Without --model the embedded demo model (docs/demo.md) is served. See docs/serve
 def build_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", description=_DESCRIPTION,
                        formatter_class=_Formatter)
-    _add_engine_args(p)
+    add_engine_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind; 0.0.0.0 for every interface (default: %(default)s)")
@@ -101,11 +101,11 @@ def run(args: argparse.Namespace) -> int:
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     if args.model is None:
         print("note: no --model given; serving the embedded demo model (docs/demo.md)", file=sys.stderr)
-    kwargs = _engine_kwargs(args)
+    caps: dict[str, dict[str, int]] = {}
     if tiers is not None:  # max_batch: a hard cap on a tier's running requests; share: a work-conserving one
-        kwargs["max_running_per_group"] = tiers.running_caps()
-        kwargs["share_running_per_group"] = tiers.running_shares(kwargs.get("max_num_seqs", 64))
-    llm = LLM(args.model, **kwargs)
+        caps = {"max_running_per_group": tiers.running_caps(),
+                "share_running_per_group": tiers.running_shares(args.max_num_seqs)}
+    llm = LLM.from_config(engine_config_from_args(args, **caps))
     adaptive = args.adaptive_token_budget if args.adaptive_token_budget is not None else (
         args.sla_config is not None and not no_tiers)
     steering = adaptive_budget(llm.engine, tiers) if adaptive and tiers is not None else None

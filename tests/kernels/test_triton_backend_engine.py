@@ -144,14 +144,14 @@ def _decode_graphs_on_cpu(llm: LLM, lookahead: bool) -> None:
     from flashvlm.runner.cuda_graph import DecodeGraphs
     from flashvlm.runner.lookahead import GreedyDecodePipeline
 
-    runner, sched = llm.engine.runner, llm.engine.config.scheduler
+    runner, engine = llm.engine.runner, llm.engine
     if runner.device.type != "cpu":
         return
-    runner.graphs = DecodeGraphs(runner.model, runner.backend, runner.kv_caches, sched.max_num_seqs,
-                                 sched.max_model_len, runner.block_size, runner.device)
+    runner.graphs = DecodeGraphs(runner.model, runner.backend, runner.kv_caches, engine.config.scheduler.max_num_seqs,
+                                 engine.max_model_len, runner.block_size, runner.device)
     if lookahead:
-        runner.pipeline = GreedyDecodePipeline(runner.graphs, runner.block_size, sched.max_model_len)
-        sched.lookahead_slots = 1  # what the engine sets when it builds the pipeline itself
+        runner.pipeline = GreedyDecodePipeline(runner.graphs, runner.block_size, engine.max_model_len)
+        engine.scheduler.lookahead_slots = 1  # what the engine passes when it builds the pipeline itself
 
 
 def test_decode_graphs_staging_gives_the_eager_tokens(tmp_path) -> None:
@@ -250,7 +250,7 @@ def test_greedy_lookahead_gives_the_eager_tokens(tmp_path) -> None:
     llm = LLM(path, **opts)
     _decode_graphs_on_cpu(llm, lookahead=True)
     pipeline = llm.engine.runner.pipeline
-    assert llm.engine.scheduler.config.lookahead_slots == 1
+    assert llm.engine.scheduler.lookahead_slots == 1
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert pipeline.num_lookaheads > 10 and pipeline.num_dropped >= 1
     sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=3, ignore_eos=True)

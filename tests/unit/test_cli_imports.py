@@ -5,7 +5,7 @@ import sys
 
 
 def test_parser_does_not_import_the_server_stack() -> None:
-    code = ("import sys, flashvlm.cli as c; c._build_parser(); "
+    code = ("import sys, flashvlm.cli as c; c.build_parser(); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fastapi', 'pydantic', 'uvicorn')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

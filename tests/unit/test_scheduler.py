@@ -52,9 +52,9 @@ def make_sched(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                budget: int = 32, max_model_len: int = 0, prefix_caching: bool = False,
                encoder_cache_tokens: int = 0, shared_prefix_wait_tokens: int = 0) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                     max_model_len=max_model_len, shared_prefix_wait_tokens=shared_prefix_wait_tokens),
+                                     shared_prefix_wait_tokens=shared_prefix_wait_tokens),
                      BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching),
-                     EncoderCacheManager(encoder_cache_tokens))
+                     EncoderCacheManager(encoder_cache_tokens), max_model_len=max_model_len, lookahead_slots=0)
 
 
 def make_req(rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, arrival: float = 0.0,
@@ -110,7 +110,7 @@ class FakeRunner:
             tokens = kv_values(req.all_token_ids, req.mm_items)
             assert sr.num_new_tokens > 0 and sr.end <= req.num_tokens
             need = -(-sr.end // self.bs)  # a lookahead slot may hold the next token's block too
-            assert len(sr.block_ids) - need in (0, self.sched.config.lookahead_slots) and 0 not in sr.block_ids
+            assert len(sr.block_ids) - need in (0, self.sched.lookahead_slots) and 0 not in sr.block_ids
             all_blocks += sr.block_ids
             for item in req.mm_items:
                 if item.offset < sr.end and item.end > sr.start:
@@ -504,8 +504,8 @@ def test_randomized_workload_ends_clean(caching: bool) -> None:
 def test_lookahead_slot_holds_the_next_tokens_block_when_blocks_are_plentiful() -> None:
     """With lookahead_slots=1 a decoding request also holds the block of its next token (the runner's decode
     step launched ahead writes there), never on its last step, and never from a scarce pool."""
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, lookahead_slots=1),
-                      BlockManager(64, 4), EncoderCacheManager(0))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
+                      BlockManager(64, 4), EncoderCacheManager(0), max_model_len=0, lookahead_slots=1)
     runner = FakeRunner(sched)
     req = make_req("a", 7, max_tokens=6)
     add(sched, req)
@@ -515,8 +515,8 @@ def test_lookahead_slot_holds_the_next_tokens_block_when_blocks_are_plentiful() 
     assert req.num_computed_tokens == 8 and sched.block_manager.num_blocks_of("a") == 3
     finished = drive(sched, runner)
     assert finished["a"].output_token_ids == expected_output(req.prompt_token_ids, 6)
-    scarce = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, lookahead_slots=1),
-                       BlockManager(4, 4), EncoderCacheManager(0))  # 3 usable blocks, 1 running request
+    scarce = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), BlockManager(4, 4),
+                       EncoderCacheManager(0), max_model_len=0, lookahead_slots=1)  # 3 usable blocks, 1 running
     r = make_req("b", 7, max_tokens=6)
     add(scarce, r)
     runner = FakeRunner(scarce)

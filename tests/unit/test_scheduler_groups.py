@@ -15,7 +15,7 @@ from flashvlm.server.tiers import parse_tiers
 def make(caps: dict[str, int], max_num_seqs: int = 6, shares: dict[str, int] | None = None) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
                                      max_running_per_group=caps, share_running_per_group=shares or {}),
-                     BlockManager(256, 4), EncoderCacheManager(0))
+                     BlockManager(256, 4), EncoderCacheManager(0), max_model_len=0, lookahead_slots=0)
 
 
 def req(rid: str, group: str | None, priority: int = 0, arrival: float = 0.0, max_tokens: int = 3) -> Request:
@@ -127,7 +127,7 @@ def test_graph_settings_are_validated(field: str) -> None:
 
 def test_waiting_higher_priority_is_served_before_a_running_lower_priority_prefill() -> None:
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8), BlockManager(256, 4),
-                      EncoderCacheManager(0))
+                      EncoderCacheManager(0), max_model_len=0, lookahead_slots=0)
     bronze = Request("bronze", list(range(10, 40)), SamplingParams(max_tokens=2), priority=2, arrival_time=0.0)
     sched.add_request(bronze)
     first = sched.schedule()
@@ -148,7 +148,8 @@ def test_a_borrowed_slot_is_not_taken_back_for_a_request_that_then_waits() -> No
     holder would buy nothing this step."""
     sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=24, share_running_per_group={"bronze": 1},
                                       shared_prefix_wait_tokens=8),
-                      BlockManager(256, 4, enable_prefix_caching=True), EncoderCacheManager(0))
+                      BlockManager(256, 4, enable_prefix_caching=True), EncoderCacheManager(0), max_model_len=0,
+                      lookahead_slots=0)
     for i, prompt in enumerate(([1, 2, 3, 4, 5], [1, 2, 3, 9, 5])):
         sched.add_request(Request(f"b{i}", prompt, SamplingParams(max_tokens=50), priority=2, arrival_time=i,
                                   group="bronze"))
@@ -170,7 +171,8 @@ def test_borrowed_slot_is_not_taken_back_when_the_better_request_still_cannot_st
     the borrower keeps its slot and its progress (no preemption for nothing)."""
     sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=256,
                                       share_running_per_group={"bronze": 1}),
-                      BlockManager(13, 4, False), EncoderCacheManager(0))  # 12 usable blocks of 4
+                      BlockManager(13, 4, False), EncoderCacheManager(0), max_model_len=0,
+                      lookahead_slots=0)  # 12 usable blocks of 4
     sched.add_request(Request("gA", list(range(28)), SamplingParams(max_tokens=50), group="gold", arrival_time=0))
     for i in range(2):  # the second one borrows a slot past bronze's share
         sched.add_request(Request(f"b{i}", [1, 2, 3], SamplingParams(max_tokens=50), priority=2, group="bronze",
@@ -187,8 +189,8 @@ def test_borrowed_slot_is_not_taken_back_when_the_better_request_still_cannot_st
 def test_requests_held_only_by_a_hard_cap_do_not_count_as_admittable() -> None:
     """may_admit tells the runner whether a waiting request could join next step (if not, it launches decode
     steps ahead). A backlog its group's hard cap holds back cannot, however much room the batch has."""
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_running_per_group={"bronze": 2},
-                                      lookahead_slots=1), BlockManager(256, 4), EncoderCacheManager(0))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_running_per_group={"bronze": 2}),
+                      BlockManager(256, 4), EncoderCacheManager(0), max_model_len=0, lookahead_slots=1)
     for i in range(6):
         sched.add_request(req(f"b{i}", "bronze", arrival=i, max_tokens=50))
     for _ in range(3):
@@ -201,7 +203,7 @@ def test_requests_held_only_by_a_hard_cap_do_not_count_as_admittable() -> None:
     assert "g" in [s.request.request_id for s in out.scheduled] and not out.may_admit
     # Uncapped requests left waiting by the token budget, with seats free, do count.
     tight = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=5, max_running_per_group={"bronze": 2}),
-                      BlockManager(256, 4), EncoderCacheManager(0))
+                      BlockManager(256, 4), EncoderCacheManager(0), max_model_len=0, lookahead_slots=0)
     for i in range(3):
         tight.add_request(req(f"g{i}", "gold", arrival=i))
     out = tight.schedule()
