@@ -33,8 +33,10 @@ export PYTHONUNBUFFERED=1
 n() { python3 -c "import sys; print(max(1, round(int(sys.argv[1]) * float(sys.argv[2]))))" "$1" "$SCALE"; }
 if [ -n "$MODEL" ]; then M=(--model "$MODEL"); else M=(--benchmark-model qwen2-vl-7b); fi
 M+=(--text-tokens 64 --max-model-len 4096 --no-progress)
-# The path a machine without FlashAttention-4 runs, beside the default (FA4 where it is installed).
+# The path a machine without FlashAttention-4 runs, beside the default (FA4 where it is installed); a CPU runs
+# only the default.
 OURS='[{"name": "triton+sdpa", "attention_backend": "triton", "vision_attention": "sdpa"}, {"name": "default"}]'
+if ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then OURS='[{"name": "default"}]'; fi
 CACHING='[{"name": "caching-on"}, {"name": "caching-off", "enable_prefix_caching": false, "encoder_cache_tokens": 0}]'
 
 bench() {  # dir args...: one `flashvlm bench` run, its output kept in dir/log.txt
@@ -62,7 +64,7 @@ run_job() {  # job dir: run from inside the tree being measured
     throughput512)  # 512 requests offline, 1008x756 + 64 -> 128 tokens, at the default flags and without FA4
       bench "$d/default" throughput "${M[@]}" --output-tokens 128 --image-size 1008x756 --num-requests "$(n 512)" \
         --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.9
-      bench "$d/triton+sdpa" throughput "${M[@]}" --output-tokens 128 --image-size 1008x756 \
+      [ "$OURS" = '[{"name": "default"}]' ] || bench "$d/triton+sdpa" throughput "${M[@]}" --output-tokens 128 --image-size 1008x756 \
         --num-requests "$(n 512)" --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.9 \
         --attention-backend triton --vision-attention sdpa ;;
     throughput)  # 32 requests offline at three image sizes, against transformers' static batches

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from flashvlm.cli import _add_engine_args, _engine_kwargs
+from flashvlm.extras import require_extra
 from flashvlm.server import limits
 
 _DESCRIPTION = """Serve a vision-language model over an OpenAI-compatible HTTP API:
@@ -75,6 +76,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 
 def run(args: argparse.Namespace) -> int:
+    require_extra("serve", "flashvlm serve")
     import uvicorn
 
     from flashvlm.engine.async_engine import AsyncEngine
