@@ -8,7 +8,8 @@
 #
 #   --out DIR            results folder (default bench_out/suite)
 #   --jobs LIST          a subset of: latency throughput512 throughput caching sla agreement kernels profile
-#                        (default: all but profile; about 25 minutes on one H200)
+#                        (default: all but profile; roughly half an hour on one H200, estimated from the
+#                        jobs' separate runs)
 #   --baseline-tree DIR  a second source tree (e.g. `git worktree add /tmp/before HEAD~1`): each job runs there
 #                        first, then here, and OUT/compare_<job>.txt holds `flashvlm bench compare` of the two
 #   --model DIR          a checkpoint folder instead of the 7B config (e.g. flashvlm/demo/checkpoint to try the
@@ -23,7 +24,7 @@ while [ $# -gt 0 ]; do
     --baseline-tree) BASE_TREE=$(cd "$2" && pwd) || exit 2; shift 2 ;;
     --model) MODEL=$(cd "$2" && pwd) || exit 2; shift 2 ;;
     --scale) SCALE=$2; shift 2 ;;
-    -h|--help) sed -n 2,19p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,17p "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -64,9 +65,9 @@ run_job() {  # job dir: run from inside the tree being measured
     throughput512)  # 512 requests offline, 1008x756 + 64 -> 128 tokens, at the default flags and without FA4
       bench "$d/default" throughput "${M[@]}" --output-tokens 128 --image-size 1008x756 --num-requests "$(n 512)" \
         --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.9
-      [ "$OURS" = '[{"name": "default"}]' ] || bench "$d/triton+sdpa" throughput "${M[@]}" --output-tokens 128 --image-size 1008x756 \
-        --num-requests "$(n 512)" --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.9 \
-        --attention-backend triton --vision-attention sdpa ;;
+      [ "$OURS" = '[{"name": "default"}]' ] || bench "$d/triton+sdpa" throughput "${M[@]}" --output-tokens 128 \
+        --image-size 1008x756 --num-requests "$(n 512)" --max-num-seqs 256 --max-num-batched-tokens 8192 \
+        --gpu-memory-utilization 0.9 --attention-backend triton --vision-attention sdpa ;;
     throughput)  # 32 requests offline at three image sizes, against transformers' static batches
       for size in 448x448 1008x756 1344x1344; do
         bench "$d/$size" throughput "${M[@]}" --output-tokens 128 --image-size "$size" --num-requests "$(n 32)" \
