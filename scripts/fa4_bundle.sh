@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Pack FlashAttention-4 and its dependencies for a GPU machine with no internet whose calls carry at most 64 MiB:
-# the big nvidia-cutlass-dsl-libs-cu13 wheel (92 MB) travels as an xz tarball of its files in two halves.
+# Offline install of FlashAttention-4 for an air-gapped GPU host (x86-64, Python 3.12, CUDA 13): download the
+# wheels on a machine with internet, copy them over, install them there into a folder on PYTHONPATH. For links
+# that move at most 64 MiB per transfer, the big nvidia-cutlass-dsl-libs-cu13 wheel (92 MB) travels as an xz
+# tarball of its files in two halves.
 #
-#   bash scripts/fa4_bundle.sh            # here: fills .fa4/a (half 1) and .fa4/b (half 2 + small wheels), ~3 min
-#   device call 1, carry [".fa4/a"]:      mkdir -p /tmp/fa4parts && cp .fa4/a/* /tmp/fa4parts/
-#   device call 2, carry [".fa4/b"], within the machine's idle window:
-#                                         bash scripts/fa4_bundle.sh install && export PYTHONPATH=$(bash scripts/fa4_bundle.sh path)
-# Add `/.fa4/` to .git/info/exclude first. Versions: the ones docs/BENCHMARKS.md (session 7) measured.
+#   bash scripts/fa4_bundle.sh        # with internet, in the repository: fills .fa4/a (half 1) and .fa4/b
+#                                     # (half 2 + the small wheels), ~3 min
+#   then on the GPU host, in a copy of the repository:
+#     1. copy .fa4/a's files to /tmp/fa4parts/ there
+#     2. copy .fa4/b into the repository there, then
+#        bash scripts/fa4_bundle.sh install && export PYTHONPATH=$(bash scripts/fa4_bundle.sh path)
+# Versions: the ones docs/BENCHMARKS.md measured (pyproject.toml's [fa4] extra). Keep .fa4/ out of git.
 set -euo pipefail
 FA4=flash-attn-4==4.0.0b36 DSL=4.8.1 SITE=/tmp/fa4site
 case "${1:-bundle}" in
@@ -24,7 +28,7 @@ case "${1:-bundle}" in
     mv /tmp/fa4dl/cu13.tar.xz.aa .fa4/a/ && mv /tmp/fa4dl/cu13.tar.xz.ab .fa4/b/
     du -sh .fa4/a .fa4/b
     ;;
-  install)  # on the device, in call 2
+  install)  # on the GPU host
     cat /tmp/fa4parts/cu13.tar.xz.aa .fa4/b/cu13.tar.xz.ab > /tmp/cu13.tar.xz
     rm -rf "$SITE"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .fa4/b/*.whl

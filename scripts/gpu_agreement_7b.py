@@ -1,4 +1,4 @@
-"""Issue 4: greedy-token agreement between flashvlm (Triton + CUDA graphs, bf16) and transformers on the
+"""Greedy-token agreement between flashvlm (Triton + CUDA graphs, bf16) and transformers on the
 Qwen2-VL-7B config with the same random weights, over 16 prompts with one 448x448 image each, 64 tokens.
 
     PYTHONPATH=. python scripts/gpu_agreement_7b.py      # GPU only; writes $OUT/agreement_7b.json

@@ -1,4 +1,4 @@
-"""GPU correctness and kernel timing for the fast path (issue 4). Prints a short table; JSON under $OUT.
+"""GPU correctness and kernel timing for the fast path. Prints a short table; JSON under $OUT.
 
     PYTHONPATH=. python scripts/gpu_check.py            # PARITY_MODEL=DIR: that checkpoint instead of the demo
     STAGES=kernels PYTHONPATH=. python scripts/gpu_check.py   # only the kernel timings
@@ -166,8 +166,7 @@ def vision_timings() -> list[dict]:
     rows = []
     heads, dim = 16, 80
     n = 3888
-    # Session 5 also timed head dim 80 zero-padded to 96 and 128: cuDNN took the same time at all three widths
-    # (it pads to 128 itself), flash was slower at each; see docs/BENCHMARKS.md.
+    # Head dim 80 zero-padded to 96 or 128 takes cuDNN the same time (it pads to 128 itself); flash is slower.
     for seq in (3888, 9216):
         flops = 4 * heads * dim * seq * seq
         q, k, v = (torch.randn(1, heads, seq, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))

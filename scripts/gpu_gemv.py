@@ -1,4 +1,4 @@
-"""Decode projections at batch 1-16 (issue 4): cuBLAS (F.linear) against our Triton GEMV over a grid of tile
+"""Decode projections at batch 1-16: cuBLAS (F.linear) against our Triton GEMV over a grid of tile
 configs, at Qwen2-VL-7B's shapes. Prints the best configs per shape and their TB/s; JSON in $OUT/gemv.json.
 
     PYTHONPATH=. python scripts/gpu_gemv.py    # GPU only; env ROWS=1,4 (default 1,4,8,16), SHAPES=qkv,down

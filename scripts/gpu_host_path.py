@@ -1,5 +1,5 @@
 """The host's share of a 1008x756 request's time to first token, piece by piece, on the machine that runs the
-benchmarks (issue 4): tokenizing, hashing and copying the picture (InputProcessor.process), and its upload from
+benchmarks: tokenizing, hashing and copying the picture (InputProcessor.process), and its upload from
 pageable memory against a copy into pinned memory plus an asynchronous upload.
 
     PYTHONPATH=. python scripts/gpu_host_path.py      # medians in ms on stdout

@@ -1,4 +1,4 @@
-"""Where a batch-1 request's time goes on the GPU (issue 4): decode graph replay vs the measured TPOT (the rest is
+"""Where a batch-1 request's time goes on the GPU: decode graph replay vs the measured TPOT (the rest is
 host work per step), the kernels of one decode step, the kernels of the ViT + prefill for one 1008x756 image, where
 the GPU idles inside that request's time to first token, and the host functions that take the time.
 

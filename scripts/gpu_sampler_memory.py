@@ -2,14 +2,14 @@
 
 On the GPU: the Qwen2-VL-7B config with random weights at gpu_memory_utilization 0.9, max_num_seqs 256, then 256
 prompts sampled with top-p 0.9, min-p and a repetition penalty. Prints the profile's activation peak, the KV
-blocks and the step's real peak beside the memory the engine was allowed. `--no-sampler-profile`: the profile as
-it was before it sampled (for comparison).
+blocks and the step's real peak beside the memory the engine was allowed.
+
+    PYTHONPATH=. python scripts/gpu_sampler_memory.py      # GPU only
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import tempfile
 
 import torch
@@ -20,10 +20,6 @@ from flashvlm.bench.model_configs import write_benchmark_model
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    if "--no-sampler-profile" in sys.argv:
-        from flashvlm.runner.memory_planner import MemoryPlanner
-
-        MemoryPlanner.profile_sampler = lambda self, logits: None  # type: ignore[method-assign]
     path = write_benchmark_model("qwen2-vl-7b", tempfile.mkdtemp(prefix="flashvlm-sampler-"))
     llm = LLM(str(path), load_format="dummy", gpu_memory_utilization=0.9, max_num_seqs=256,
               max_num_batched_tokens=8192, max_model_len=4096)

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Issue 7 on the GPU machine. Default: retrain the shipped demo checkpoint (flashvlm/demo/checkpoint) from its
-# seeds, with the step counts its training.json records (stage 1 ran 3531 of a 5255-step schedule, cut by a
-# safety stop; stage 2 1376 of 1814), then evaluate it next to the shipped one on the same 1,000 test
-# questions. MODE=single: one budgeted run from scratch instead (BUDGET_S seconds of training, batch 256,
-# lr 5e-4), a candidate for a simpler shipped recipe. SKIP_SHIPPED=1 evaluates only the retrained model; WORKERS: data-loader processes (12). Results: $OUT/demo.tgz, $OUT/train.log, $OUT/eval_*.json.
+# Retrain the shipped demo model on a GPU host (about 8.5 minutes on one H200). Default: retrain the shipped
+# checkpoint (flashvlm/demo/checkpoint) from its seeds, with the step counts its training.json records (stage 1
+# ran 3531 of a 5255-step schedule, cut by a safety stop; stage 2 1376 of 1814), then evaluate it next to the
+# shipped one on the same 1,000 test questions. MODE=single: one budgeted run from scratch instead (BUDGET_S
+# seconds of training, batch 256, lr 5e-4). SKIP_SHIPPED=1 evaluates only the retrained model; WORKERS:
+# data-loader processes (12). Results under $OUT (default /tmp/out): demo.tgz (the checkpoint),
+# train.log, eval_*.json.
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from flashvlm.bench.records import BenchRequest, ScenarioResult
+from flashvlm.extras import require_extra
 
 _PLACEHOLDERS = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                  "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>\n"}
@@ -310,6 +311,8 @@ def run(args: argparse.Namespace) -> int:
         from flashvlm.bench.compare import main_compare
 
         return main_compare(args.a, args.b, args.threshold)
+    require_extra("bench", "flashvlm bench", (["httpx"] if args.scenario == "serve" else []) +
+                  (["matplotlib"] if args.out else []))
     if args.scenario == "serve":
         runs = _run_serve(args)
     elif args.scenario == "sweep":

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from flashvlm.extras import require_extra
 from flashvlm.options import add_engine_args, engine_config_from_args
 from flashvlm.server import limits
 
@@ -75,6 +76,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 
 def run(args: argparse.Namespace) -> int:
+    require_extra("serve", "flashvlm serve")
     import uvicorn
 
     from flashvlm.engine.async_engine import AsyncEngine

@@ -21,6 +21,7 @@ def _run(args: list[str], out) -> dict:
     return doc
 
 
+@pytest.mark.slow
 def test_latency_with_baseline(tmp_path, capsys) -> None:
     doc = _run(["latency", *SMALL, "--baseline", "transformers", "--goodput", "ttft:60000", "tpot:60000"],
                tmp_path)

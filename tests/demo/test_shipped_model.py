@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from flashvlm import LLM, SamplingParams
@@ -20,6 +21,7 @@ def test_checkpoint_is_small_and_records_its_recipe() -> None:
     assert meta["log"][-1]["val_exact"] >= 0.9
 
 
+@pytest.mark.slow
 def test_eval_cli_accuracy_on_a_test_split(tmp_path, capsys) -> None:
     """`flashvlm eval` on the default model: a real model answering, every question type among the scores."""
     out = tmp_path / "eval.json"

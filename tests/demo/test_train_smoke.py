@@ -11,6 +11,7 @@ from flashvlm.demo.scenes import make_split
 from flashvlm.demo.train import Batcher, train
 
 
+@pytest.mark.slow
 def test_train_two_steps_then_load_and_eval(tmp_path) -> None:
     meta = train(str(tmp_path / "ckpt"), steps=2, batch_size=4, lr=1e-3, seed=0, device="cpu", log_every=1)
     assert len(meta["log"]) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in meta["log"])
@@ -90,6 +91,7 @@ def test_batched_vision_attention_equals_transformers_per_image_loop() -> None:
     assert len(calls) == cfg.vision_config.depth and all(c == 1 for c in calls)
 
 
+@pytest.mark.slow
 def test_continue_training_from_a_checkpoint(tmp_path) -> None:
     import json
 

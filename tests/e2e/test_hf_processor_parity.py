@@ -28,10 +28,29 @@ def _image(size: tuple[int, int], seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
 
 
+def _video_processor_stand_in(monkeypatch: pytest.MonkeyPatch):
+    """Qwen's HF processors type-check a video processor, which images never touch. Without torchvision that
+    class cannot be built, so the stand-in is an instance of the base class the check asks for, made without
+    its constructor. transformers up to 5.18 checks BaseVideoProcessor, exported as a placeholder without
+    torchvision; from 5.19 it checks VideoProcessorMixin, which it then leaves out of its namespace and so
+    fails to look up, hence the class is put where the check looks for it while the processor is built."""
+    import transformers
+    from transformers import processing_utils
+
+    name = processing_utils.MODALITY_TO_BASE_CLASS_MAPPING["video_processor"]
+    base = getattr(transformers, name, None)
+    if base is None:
+        from transformers import video_processing_utils
+
+        base = getattr(video_processing_utils, name)
+        monkeypatch.setattr(transformers, name, base, raising=False)
+    return object.__new__(base)
+
+
 def _hf_processor(name: str, path, hf_config):
     """HF's processor with its PIL image processor, which is what we match (the torchvision "fast" ones resize
     differently and AutoProcessor picks them wherever torchvision is installed, e.g. on the GPU machine)."""
-    from transformers import AutoTokenizer, BaseVideoProcessor, LlavaProcessor, Qwen2_5_VLProcessor, Qwen2VLProcessor
+    from transformers import AutoTokenizer, LlavaProcessor, Qwen2_5_VLProcessor, Qwen2VLProcessor
     from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -44,11 +63,9 @@ def _hf_processor(name: str, path, hf_config):
                               vision_feature_select_strategy=hf_config.vision_feature_select_strategy,
                               num_additional_image_tokens=1)
     cls = Qwen2_5_VLProcessor if name == "qwen2_5_vl" else Qwen2VLProcessor
-    # The processor type-checks a video processor; images never touch it. Without torchvision transformers'
-    # BaseVideoProcessor is a placeholder whose constructor raises, hence an instance that skips __init__.
-    no_video = object.__new__(BaseVideoProcessor)
-    return cls(image_processor=Qwen2VLImageProcessorPil.from_pretrained(path), tokenizer=tokenizer,
-               video_processor=no_video, chat_template=tokenizer.chat_template)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return cls(image_processor=Qwen2VLImageProcessorPil.from_pretrained(path), tokenizer=tokenizer,
+                   video_processor=_video_processor_stand_in(monkeypatch), chat_template=tokenizer.chat_template)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

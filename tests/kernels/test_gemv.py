@@ -66,6 +66,7 @@ def _expected(x, w, b):
 @pytest.mark.parametrize("rows,n,k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("config", CONFIGS, ids=["default", "no-split", "split3", "split8"])
+@pytest.mark.slow
 def test_gemv_matches_linear(device, dtype, rows, n, k, bias, config):
     x, w, b = _inputs(device, dtype, rows, n, k, bias, seed=rows * 1000 + n + k)
     locks = torch.zeros(gemv_lock_count(n, config or gemv_config(n, k)), dtype=torch.int32, device=device)

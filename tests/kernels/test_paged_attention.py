@@ -102,6 +102,7 @@ def test_kv_write_skips_padding_slots(device: str, dtype: torch.dtype, kv_heads:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 128), (7, 128), (7, 64)])
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.slow
 def test_paged_decode(device: str, dtype: torch.dtype, group: int, head_dim: int, num_splits: int) -> None:
     gen = torch.Generator().manual_seed(group * 100 + head_dim + num_splits)
     kv_heads = 2
@@ -165,6 +166,7 @@ def _prefill_case(q_lens: list[int], ctx_lens: list[int], group: int, head_dim: 
     ([1, 23, 1, 5], [45, 9, 16, 0]),  # mixed: decode tokens beside chunks with and without a cached prefix
     ([9, 30], [150, 70]),  # long prefixes: several unmasked key tiles before the diagonal ones
 ], ids=["prefill", "mixed", "long-prefix"])
+@pytest.mark.slow
 def test_paged_prefill(device: str, dtype: torch.dtype, group: int, head_dim: int, q_lens: list[int],
                        ctx_lens: list[int]) -> None:
     q, cache, qsl, lens, tables = _prefill_case(q_lens, ctx_lens, group, head_dim, dtype, device,

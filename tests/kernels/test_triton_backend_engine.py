@@ -14,6 +14,8 @@ pytest.importorskip("triton")
 from flashvlm import LLM, SamplingParams  # noqa: E402
 from flashvlm.testing.tiny_checkpoints import build_qwen2_vl  # noqa: E402
 
+pytestmark = pytest.mark.slow  # engine runs through the Triton interpreter: minutes on 2 cores
+
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 
 

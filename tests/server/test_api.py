@@ -235,6 +235,7 @@ def test_api_key_and_no_tiers(live: LiveServer) -> None:
     assert health.status_code == 200  # only /v1/* needs the key
 
 
+@pytest.mark.slow
 def test_serve_cli_end_to_end(tiny_ckpt: Any, tmp_path: Any) -> None:
     """`flashvlm serve` as a user runs it: a subprocess on a free port, one chat, then SIGTERM."""
     with socket.socket() as s:

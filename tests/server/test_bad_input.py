@@ -215,6 +215,7 @@ _bodies = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(body=_bodies)
 def test_fuzz_never_5xx(live: LiveServer, body: tuple[str, Any]) -> None:
