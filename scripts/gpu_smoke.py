@@ -63,7 +63,7 @@ def tiny_parity() -> None:
         it = pp.mm_items[0]
         with torch.inference_mode():
             ref = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=it.model_pixels().cuda(),
-                              image_grid_thw=torch.tensor([it.grid_thw], device="cuda"), max_new_tokens=32,
+                              image_grid_thw=torch.tensor([it.layout], device="cuda"), max_new_tokens=32,
                               mm_token_type_ids=(ids == llm.engine.model.image_token_id).long(),
                               do_sample=False, eos_token_id=None, pad_token_id=0)
         agree += int(ref[0, ids.shape[1]:].tolist() == o.token_ids)
