@@ -81,13 +81,16 @@ class MMItem:
     mm_hash: str
     """Content hash of decoded pixels + size + processor parameters; the key of the caches."""
     pixel_values: Any
-    """Model-ready tensor: (patches, C*T*P*P) for Qwen, (C, H, W) for CLIP."""
+    """Model-ready tensor, or compact pixels that `pixel_decoder` finishes; its shape is the family's (Qwen:
+    (patches, C*T*P*P), CLIP: (C, H, W))."""
     offset: int = 0
     """Index of the first placeholder token in the prompt."""
     num_tokens: int = 0
     """Number of placeholder tokens (= embeddings the vision tower yields)."""
-    grid_thw: tuple[int, int, int] | None = None
-    """Qwen only: (t, h, w) in patches."""
+    layout: Any = None
+    """What the family's vision tower needs beyond the pixels, written and read only by that family (Qwen: the
+    (t, h, w) grid in patches; LLaVA-1.5: None). Hashable: with the pixels' shape and num_tokens it is the item's
+    shape key (the runner keys vision graphs on it)."""
     image_size: tuple[int, int] = (0, 0)
     """Original (width, height), for reporting."""
     pixel_decoder: Callable[[Any], Any] | None = None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import sys
 import tempfile
 from pathlib import Path
@@ -13,9 +12,6 @@ from typing import Any
 
 from flashvlm.bench.records import BenchRequest, ScenarioResult
 from flashvlm.extras import require_extra
-
-_PLACEHOLDERS = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-                 "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>\n"}
 
 
 def add_workload_args(p: argparse.ArgumentParser, with_seed: bool = True) -> None:
@@ -182,8 +178,8 @@ def _floors(llm, requests: list[BenchRequest], args: argparse.Namespace):
     n = max(len(requests), 1)
     processed = [llm.engine.process_prompt(r.engine_prompt()) for r in requests[: min(n, 8)]]
     prompt = sum(len(p.prompt_token_ids) for p in processed) / len(processed)
-    patches = sum(math.prod(it.grid_thw) if it.grid_thw else (it.num_tokens + 1)
-                  for p in processed for it in p.mm_items) / len(processed)
+    family = llm.engine.checkpoint.family
+    patches = sum(family.vision_patches(it) for p in processed for it in p.mm_items) / len(processed)
     output = sum(r.max_tokens for r in requests) / n
     return workload_floors(model_cost(llm.engine.model), prompt, output, patches,
                            bandwidth=args.peak_bandwidth * 1e12, peak_flops=args.peak_tflops * 1e12)
@@ -215,7 +211,7 @@ def _run_offline(args: argparse.Namespace, scenario: str, configs: list[dict[str
         label = cfg.pop("name", "flashvlm")
         llm = LLM.from_config(engine_config_from_args(args, model=path, **cfg))
         if not requests:
-            requests, workload = _workload(args, _PLACEHOLDERS.get(llm.engine.checkpoint.model_type, ""))
+            requests, workload = _workload(args, llm.engine.checkpoint.family.image_placeholder)
             floors = _floors(llm, requests, args)
         warm_up(llm, requests, args.warmup)
         bar, update = _progress(args, len(requests), f"{scenario} [{label}]")

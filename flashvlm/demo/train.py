@@ -21,7 +21,7 @@ import torch
 
 from flashvlm.demo.scenes import IMAGE_SIZE, QUESTION_TYPES, answer_vocabulary, make_example, make_split
 from flashvlm.models.qwen2_vl import mrope_positions
-from flashvlm.processing.preprocess import QwenImageProcessor
+from flashvlm.processing.qwen_image import QwenImageProcessor
 from flashvlm.testing.tiny_checkpoints import (
     QWEN_CHAT_TEMPLATE,
     QWEN_SPECIAL_TOKENS,

@@ -36,6 +36,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+class PlainLinear(nn.Linear):
+    """A linear layer whose forward is exactly F.linear at every row count (no GEMV): vision towers and
+    projectors, whose products of a few rows (a tiny image's merger) stay on the library GEMM. A layer of its own
+    so a later pass (quantization, sharding) finds every linear layer of a model among `layers/` classes."""
+
+
 class Linear(nn.Linear):
     """nn.Linear whose few-row products take the Triton GEMV on CUDA tensors."""
 

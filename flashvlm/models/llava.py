@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from flashvlm.layers.activation import get_activation
+from flashvlm.layers.linear import PlainLinear
 from flashvlm.models.decoder import PACKED_PROJECTIONS, DecoderModel
 from flashvlm.models.interfaces import VLModel
 from flashvlm.models.vision.clip import CLIP_PACKED_PROJECTIONS, CLIPVisionTower
@@ -34,9 +35,9 @@ _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 class LlavaMultiModalProjector(nn.Module):
     def __init__(self, in_features: int, hidden: int, act: str, bias: bool) -> None:
         super().__init__()
-        self.linear_1 = nn.Linear(in_features, hidden, bias=bias)
+        self.linear_1 = PlainLinear(in_features, hidden, bias=bias)
         self.act = get_activation(act)
-        self.linear_2 = nn.Linear(hidden, hidden, bias=bias)
+        self.linear_2 = PlainLinear(hidden, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(x)))

@@ -14,7 +14,7 @@ import torch
 
 from flashvlm.config import ConfigError, ModelConfig
 from flashvlm.models.interfaces import VLModel
-from flashvlm.models.registry import resolve_model_class
+from flashvlm.models.registry import ModelFamily, resolve_family
 from flashvlm.models.weight_utils import check_all_loaded, init_dummy_weights, iterate_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,10 @@ class Checkpoint:
     @property
     def model_type(self) -> str:
         return self.hf_config.model_type
+
+    @property
+    def family(self) -> ModelFamily:
+        return resolve_family(getattr(self.hf_config, "architectures", None))
 
     @property
     def text_config(self) -> Any:
@@ -68,13 +72,13 @@ def read_checkpoint(model_config: ModelConfig) -> Checkpoint:
         hf_config = AutoConfig.from_pretrained(path, **model_config.hf_overrides)
     except (ValueError, KeyError) as e:
         raise ConfigError(f"cannot parse {path / 'config.json'}: {e}") from e
-    resolve_model_class(getattr(hf_config, "architectures", None))  # fail fast on an unknown architecture
+    family = resolve_family(getattr(hf_config, "architectures", None))  # fail fast on an unknown architecture
     tokenizer = AutoTokenizer.from_pretrained(path)
     checkpoint = Checkpoint(path=path, hf_config=hf_config, tokenizer=tokenizer,
                             chat_template=_find_chat_template(path, tokenizer),
                             preprocessor_config=_read_image_processor_config(path),
                             generation_defaults=_read_json(path / "generation_config.json"))
-    _check_clip_input_size(checkpoint)
+    family.check_checkpoint(checkpoint)
     return checkpoint
 
 
@@ -89,28 +93,6 @@ def _read_image_processor_config(path: Path) -> dict:
     logger.warning("%s has neither preprocessor_config.json nor an image_processor section in "
                    "processor_config.json: images are preprocessed with the family's default settings", path)
     return {}
-
-
-def _check_clip_input_size(checkpoint: Checkpoint) -> None:
-    """A CLIP tower takes one fixed image size: a processor that crops to another one would make every image
-    request fail on its placeholder count, so refuse the checkpoint at load time instead."""
-    if checkpoint.model_type != "llava":
-        return
-    from flashvlm.processing.preprocess import ClipImageProcessor
-
-    cfg = checkpoint.hf_config
-    image_size = cfg.vision_config.image_size
-    try:
-        proc = ClipImageProcessor.from_config(checkpoint.preprocessor_config)
-        proc.num_image_tokens(cfg.vision_config.patch_size)  # raises when the size depends on each image
-    except ValueError as e:
-        raise ConfigError(f"{checkpoint.path}: image processor config does not fit the LLaVA model: {e}") from e
-    height, width = proc.output_hw(image_size, image_size)
-    if (height, width) != (image_size, image_size):
-        raise ConfigError(
-            f"{checkpoint.path}: the image processor makes {height}x{width} images but the vision tower takes "
-            f"{image_size}x{image_size} (vision_config.image_size); fix crop_size/size in preprocessor_config.json "
-            "(or processor_config.json's image_processor)")
 
 
 def _read_json(path: Path) -> dict:
@@ -154,7 +136,7 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(model_config: ModelConfig, checkpoint: Checkpoint, device: str, dtype: torch.dtype) -> VLModel:
-    cls = resolve_model_class(getattr(checkpoint.hf_config, "architectures", None))
+    cls = checkpoint.family.model_class()
     with torch.device(device), _default_dtype(dtype):
         model = cls(checkpoint.hf_config)
     if model_config.load_format == "dummy":

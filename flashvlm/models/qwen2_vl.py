@@ -90,9 +90,9 @@ class Qwen2VLForConditionalGeneration(VLModel):
         self.init_language_model(hf_config, DecoderModel(text_cfg, qkv_bias=True, mrope=True))
 
     def _grid(self, item: MMItem) -> Grid:
-        if item.grid_thw is None:
-            raise ValueError(f"image {item.mm_hash}: Qwen-VL needs grid_thw")
-        t, h, w = (int(x) for x in item.grid_thw)
+        if item.layout is None:
+            raise ValueError(f"image {item.mm_hash}: Qwen-VL needs the image's (t, h, w) grid as its layout")
+        t, h, w = (int(x) for x in item.layout)
         grid = (t, h, w)
         expected = self.visual.tokens_per_image(grid)
         if item.num_tokens != expected:

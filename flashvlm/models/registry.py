@@ -1,15 +1,31 @@
-"""Maps `config.architectures` to model classes, imported lazily so unused families cost nothing."""
+"""The model families flashvlm serves, one line each, and what a family provides (`ModelFamily`).
+
+A family is imported on first use, so unused families cost nothing; its entry object names every part of it:
+the model class (with its vision tower and checkpoint weight-name mapping), the image part of `InputProcessor`,
+the checks a checkpoint must pass at load, the transformers class the benchmark compares against, and the tiny
+checkpoint builder the tests use. Nothing outside the family's own files branches on which family it is."""
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from flashvlm.models.interfaces import VLModel
+if TYPE_CHECKING:
+    import torch
 
-_MODELS: dict[str, tuple[str, str]] = {
-    "Qwen2VLForConditionalGeneration": ("flashvlm.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
-    "Qwen2_5_VLForConditionalGeneration": ("flashvlm.models.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
-    "LlavaForConditionalGeneration": ("flashvlm.models.llava", "LlavaForConditionalGeneration"),
+    from flashvlm.models.interfaces import VLModel
+    from flashvlm.models.loader import Checkpoint
+    from flashvlm.processing.preprocess import ImageInputs
+    from flashvlm.request import MMItem
+
+_FAMILIES: dict[str, str] = {
+    # config.architectures entry -> "module:object", the family's ModelFamily
+    "Qwen2VLForConditionalGeneration": "flashvlm.models.families.qwen2_vl:QWEN2_VL",
+    "Qwen2_5_VLForConditionalGeneration": "flashvlm.models.families.qwen2_vl:QWEN2_5_VL",
+    "LlavaForConditionalGeneration": "flashvlm.models.families.llava:LLAVA",
 }
 
 
@@ -17,14 +33,78 @@ class UnsupportedModelError(ValueError):
     pass
 
 
+class ModelFamily:
+    """One model family. Subclasses set the names and implement the methods; heavy imports (the model, torch,
+    transformers) stay inside the methods."""
+
+    architecture: str
+    """The `config.architectures` entry of its checkpoints (also the transformers class name)."""
+    model_type: str
+    """`config.model_type` of its checkpoints."""
+    image_placeholder: str
+    """The text a raw (untemplated) prompt writes for one image, as the benchmark's workloads do."""
+
+    def model_class(self) -> type[VLModel]:
+        raise NotImplementedError
+
+    def image_processor(self, preprocessor_config: Mapping[str, Any]) -> Any:
+        """The image processor built from a preprocessor_config.json dict; a bad config raises ValueError."""
+        raise NotImplementedError
+
+    def image_inputs(self, checkpoint: Checkpoint) -> ImageInputs:
+        """The image part of `InputProcessor` for this checkpoint."""
+        raise NotImplementedError
+
+    def check_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Refuse (ConfigError) a checkpoint whose parts do not fit together; most families have nothing to check."""
+
+    def vision_patches(self, item: MMItem) -> int:
+        """Patches the vision tower runs for this item (the benchmark's prefill floor)."""
+        raise NotImplementedError
+
+    def baseline_model_class(self) -> type:
+        """The transformers class of this family, for the benchmark's baseline."""
+        import transformers
+
+        return getattr(transformers, self.architecture)
+
+    def baseline_image_inputs(self, items: list[MMItem], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                              image_token_id: int, device: str) -> dict[str, torch.Tensor]:
+        """The image arguments of the transformers model's `generate` for a batch's items (pixel_values in
+        float32; the baseline casts them)."""
+        raise NotImplementedError
+
+    def build_tiny_checkpoint(self, path: str | Path, **kwargs: Any) -> Path:
+        """A tiny checkpoint folder with seeded random weights, written through transformers (tests, the demo)."""
+        raise NotImplementedError
+
+
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted(_FAMILIES)
+
+
+@functools.cache
+def _load(architecture: str) -> ModelFamily:
+    module_name, attr = _FAMILIES[architecture].split(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def resolve_family(architectures: list[str] | None) -> ModelFamily:
+    for arch in architectures or []:
+        if arch in _FAMILIES:
+            return _load(arch)
+    raise UnsupportedModelError(
+        f"unsupported architecture {architectures}; flashvlm supports: {', '.join(supported_architectures())}")
+
+
+def family_for_model_type(model_type: str) -> ModelFamily:
+    """The family whose checkpoints carry this `config.model_type` (imports every family to ask; they are light)."""
+    for arch in _FAMILIES:
+        if _load(arch).model_type == model_type:
+            return _load(arch)
+    raise ValueError(f"no model family for model_type {model_type!r}; known: "
+                     f"{sorted(_load(arch).model_type for arch in _FAMILIES)}")
 
 
 def resolve_model_class(architectures: list[str] | None) -> type[VLModel]:
-    for arch in architectures or []:
-        if arch in _MODELS:
-            module_name, class_name = _MODELS[arch]
-            return getattr(importlib.import_module(module_name), class_name)
-    raise UnsupportedModelError(
-        f"unsupported architecture {architectures}; flashvlm supports: {', '.join(supported_architectures())}")
+    return resolve_family(architectures).model_class()

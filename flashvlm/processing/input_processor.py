@@ -16,15 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
-from PIL import Image
-
 from flashvlm.models.loader import Checkpoint
-from flashvlm.processing.hashing import hash_image, hash_pixels
 from flashvlm.processing.images import load_image, rgb_array
-from flashvlm.processing.preprocess import ClipImageProcessor, QwenImageProcessor, get_image_processor
-from flashvlm.processing.qwen_grid import largest_qwen_grid, qwen_target_size
+from flashvlm.processing.preprocess import SourceImage
 from flashvlm.request import InvalidRequestError, MMItem
 
 _IMAGE_PART_TYPES = ("image", "image_url", "input_image")
@@ -60,14 +54,14 @@ class PixelCache:
             self.num_hits += 1
             return entry[0], entry[1]
 
-    def put(self, mm_hash: str, pixels: Any, grid: Any) -> None:
+    def put(self, mm_hash: str, pixels: Any, layout: Any) -> None:
         size = pixels.numel() * pixels.element_size()
         if size > self.max_bytes:
             return
         with self._lock:
             if mm_hash in self._entries:
                 return
-            self._entries[mm_hash] = (pixels, grid, size)
+            self._entries[mm_hash] = (pixels, layout, size)
             self.num_bytes += size
             while self.num_bytes > self.max_bytes:
                 _, (_, _, dropped) = self._entries.popitem(last=False)
@@ -88,7 +82,9 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.image_token_id = image_token_id
         self.max_images_per_prompt = max_images_per_prompt
-        self.image_processor = get_image_processor(checkpoint.preprocessor_config, checkpoint.model_type)
+        self.image_inputs = checkpoint.family.image_inputs(checkpoint)
+        """The model family's image part: one picture to one MMItem."""
+        self.image_processor = self.image_inputs.processor
         self.pixel_cache = PixelCache(pixel_cache_bytes)
         """Preprocessed pixels of recent images; pixel_cache_bytes=0 turns it off."""
         self._image_token = self.tokenizer.convert_ids_to_tokens(image_token_id)
@@ -184,83 +180,18 @@ class InputProcessor:
 
     def profile_items(self, budget_tokens: int) -> list[MMItem]:
         """Stand-ins for the heaviest vision batch one step can hold, for memory profiling: the largest image
-        a request may send (see `largest_qwen_grid`), or as many fixed-size images as the step's token budget
-        covers. Pixel values are zeros: only shapes matter."""
-        proc = self.image_processor
-        if isinstance(proc, QwenImageProcessor):
-            grid = largest_qwen_grid(proc)
-            patch = 3 * proc.temporal_patch_size * proc.patch_size ** 2
-            pixels = torch.zeros(grid[0] * grid[1] * grid[2], patch)
-            num_tokens = proc.num_image_tokens(grid)
-        else:
-            cfg = self.checkpoint.hf_config
-            grid = None
-            pixels = torch.zeros(3, *proc.crop_hw)
-            num_tokens = proc.num_image_tokens(cfg.vision_config.patch_size, cfg.vision_feature_select_strategy)
-        item = MMItem(mm_hash="memory-profile", pixel_values=pixels, num_tokens=num_tokens, grid_thw=grid)
-        return [item] * max(1, budget_tokens // num_tokens)
+        a request may send, repeated as often as the step's token budget covers (once for an image that outweighs
+        the budget). Pixel values are zeros: only shapes matter."""
+        item = self.image_inputs.profile_item()
+        return [item] * max(1, budget_tokens // item.num_tokens)
 
     def _preprocess(self, src: Any, kwargs: dict, index: int) -> MMItem:
         try:
             array = rgb_array(src)  # an RGB numpy array stays one while it needs no resize: no PIL round trip
-            img = load_image(src) if array is None else None
+            image = SourceImage(pil=load_image(src)) if array is None else SourceImage(array=array)
         except InvalidRequestError as e:
             raise InvalidRequestError(f"image {index}: {e}") from None
-        proc = self.image_processor
-        if isinstance(proc, QwenImageProcessor):
-            mm_hash, pixels, grid, worth_keeping = self._qwen_pixels(proc, img, array, kwargs)
-            decoder = proc.decode_compact if pixels.dtype == torch.uint8 else None
-            num_tokens = proc.num_image_tokens(grid)
-        elif isinstance(proc, ClipImageProcessor):
-            if kwargs:
-                raise InvalidRequestError(f"this model takes no mm_processor_kwargs, got {sorted(kwargs)}")
-            params = proc.processor_params()
-            mm_hash = (hash_image(img, params) if array is None
-                       else hash_pixels("RGB", array.shape[1], array.shape[0], params, array))
-            cached = self.pixel_cache.get(mm_hash)
-            if cached is None and array is not None:
-                img = Image.fromarray(array)  # only to preprocess: a repeat is found by the array's hash
-            pixels, grid = cached if cached is not None else (proc.preprocess(img, device=self.preprocess_device), None)
-            worth_keeping = cached is None
-            decoder = None
-            cfg = self.checkpoint.hf_config
-            num_tokens = proc.num_image_tokens(cfg.vision_config.patch_size, cfg.vision_feature_select_strategy)
-        else:  # pragma: no cover - get_image_processor only returns the two above
-            raise TypeError(type(proc))
-        if worth_keeping:
-            self.pixel_cache.put(mm_hash, pixels, grid)
-        size = (img.width, img.height) if array is None else (array.shape[1], array.shape[0])
-        return MMItem(mm_hash=mm_hash, pixel_values=pixels, num_tokens=num_tokens,
-                      grid_thw=grid, image_size=size, pixel_decoder=decoder)
-
-    def _qwen_pixels(self, proc: QwenImageProcessor, img: Image.Image | None, array: np.ndarray | None,
-                     kwargs: dict) -> tuple[str, torch.Tensor, tuple[int, int, int], bool]:
-        """(hash, pixels, grid, worth keeping in the pixel cache) of a picture given as a PIL image or as an RGB
-        array. Only pixels that took work (a resize, GPU preprocessing) are kept: without a resize the compact
-        pixels are one copy of the decoded ones, cheaper than holding fresh memory whose first touch costs more
-        than the copy (2.4 against 0.4 ms a 1008x756 prompt, measured on the host)."""
-        unknown = set(kwargs) - {"min_pixels", "max_pixels"}
-        if unknown:
-            raise InvalidRequestError(f"unknown mm_processor_kwargs {sorted(unknown)} (min_pixels, max_pixels)")
-        lo, hi = kwargs.get("min_pixels"), kwargs.get("max_pixels")
-        params = proc.processor_params(lo, hi)  # validates the overrides
-        height, width = array.shape[:2] if array is not None else (img.height, img.width)
-        resized = qwen_target_size(proc, height, width, lo, hi) != (height, width)
-        # The RGB bytes (load_image always gives RGB), read once for the hash and, without a resize, the pixels.
-        raw = array if array is not None else img.tobytes()
-        mm_hash = hash_pixels("RGB", width, height, params, raw)
-        cached = self.pixel_cache.get(mm_hash)
-        if cached is not None:
-            return mm_hash, *cached, False
-        if not resized and self.preprocess_device is None:  # already the compact image: the runner finishes it
-            # A bytearray copy: torch wants writable memory, and an array's owner may reuse it.
-            pixels = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(height, width, 3)
-            return mm_hash, pixels, (1, height // proc.patch_size, width // proc.patch_size), False
-        if array is not None:
-            img = Image.fromarray(array)  # resized like any other picture
-        if self.preprocess_device is None:  # the compact uint8 image; the runner finishes it on its device
-            return mm_hash, *proc.preprocess_compact(img, min_pixels=lo, max_pixels=hi), True
-        return mm_hash, *proc.preprocess(img, min_pixels=lo, max_pixels=hi, device=self.preprocess_device), True
+        return self.image_inputs.make_item(image, kwargs, self.pixel_cache, self.preprocess_device)
 
     def _expand_placeholders(self, token_ids: list[int], items: list[MMItem]) -> list[int]:
         """Each placeholder token stands for one image and is expanded, as HF's processors do, even when

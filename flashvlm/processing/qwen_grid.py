@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
-from flashvlm.processing.preprocess import MAX_ASPECT_RATIO, QwenImageProcessor
+from flashvlm.processing.preprocess import MAX_ASPECT_RATIO
 from flashvlm.request import InvalidRequestError
+
+if TYPE_CHECKING:
+    from flashvlm.processing.qwen_image import QwenImageProcessor
 
 PATCH_SLACK = 1.1
 """How far past the planned grid a request's own min_pixels may take an image: the profile keeps 10% headroom

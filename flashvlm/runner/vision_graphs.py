@@ -56,7 +56,7 @@ class VisionGraphs:
 
     @staticmethod
     def key(items: list[MMItem]) -> tuple:
-        return tuple((tuple(torch.as_tensor(it.pixel_values).shape), it.grid_thw, it.num_tokens) for it in items)
+        return tuple((tuple(torch.as_tensor(it.pixel_values).shape), it.layout, it.num_tokens) for it in items)
 
     def __call__(self, items: list[MMItem]) -> list[torch.Tensor]:
         key = self.key(items)
@@ -70,7 +70,7 @@ class VisionGraphs:
                 entry = self._capture(key, items)
             except Exception:  # a capture can fail (another thread's CUDA call); this shape then stays eager
                 logger.warning("vision graph capture failed for grids %s; running it eagerly",
-                               [it.grid_thw for it in items], exc_info=True)
+                               [it.layout for it in items], exc_info=True)
                 self._failed.add(key)
                 return self.encode(items)
         else:
@@ -98,7 +98,7 @@ class VisionGraphs:
         entry = _Entry(graph, inputs, outputs, keepalive)
         self._graphs[key] = entry
         self.num_captures += 1
-        logger.info("captured a vision graph for grids %s", [it.grid_thw for it in items])
+        logger.info("captured a vision graph for grids %s", [it.layout for it in items])
         return entry
 
 

@@ -51,7 +51,7 @@ def test_greedy_answers_equal_transformers_on_scenes() -> None:
         item = processed.mm_items[0]
         with torch.inference_mode():
             ref = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=item.model_pixels(),
-                              image_grid_thw=torch.tensor([item.grid_thw]),
+                              image_grid_thw=torch.tensor([item.layout]),
                               mm_token_type_ids=(ids == llm.engine.model.image_token_id).long(),
                               max_new_tokens=4, do_sample=False)
         assert out.token_ids == ref[0, ids.shape[1]:].tolist()[: len(out.token_ids)]

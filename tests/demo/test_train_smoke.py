@@ -33,7 +33,7 @@ def test_train_two_steps_then_load_and_eval(tmp_path) -> None:
     t = torch.tensor([ids])
     with torch.inference_mode():
         ref = hf.generate(input_ids=t, attention_mask=torch.ones_like(t), pixel_values=item.model_pixels(),
-                          image_grid_thw=torch.tensor([item.grid_thw]), mm_token_type_ids=(t == batcher.image_token_id)
+                          image_grid_thw=torch.tensor([item.layout]), mm_token_type_ids=(t == batcher.image_token_id)
                           .long(), max_new_tokens=6, min_new_tokens=6, do_sample=False, eos_token_id=None)
     assert ours == ref[0, len(ids):].tolist()
 

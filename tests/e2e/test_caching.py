@@ -205,7 +205,7 @@ def test_an_array_is_the_same_picture_as_its_pil_image_and_png(family, size: tup
              for src in (arr, Image.fromarray(arr), png.getvalue())]
     for other in items[1:]:
         assert other.mm_hash == items[0].mm_hash and other.num_tokens == items[0].num_tokens
-        assert other.grid_thw == items[0].grid_thw and other.image_size == items[0].image_size == size
+        assert other.layout == items[0].layout and other.image_size == items[0].image_size == size
         assert torch.equal(torch.as_tensor(other.pixel_values), torch.as_tensor(items[0].pixel_values))
     before = torch.as_tensor(items[0].pixel_values).clone()
     arr[:] = 0

@@ -213,7 +213,7 @@ def test_preprocess_on_device_matches_host(ckpt) -> None:
     prompt = {"prompt": IMG + "Describe.", "images": [_array(150, 97, 4)]}
     a = on_device.engine.process_prompt(prompt).mm_items[0]
     b = host.engine.process_prompt(prompt).mm_items[0]
-    assert a.pixel_values.device.type == device and a.grid_thw == b.grid_thw and a.mm_hash == b.mm_hash
+    assert a.pixel_values.device.type == device and a.layout == b.layout and a.mm_hash == b.mm_hash
     assert b.pixel_values.dtype == torch.uint8  # the host path hands over compact rows, finished at encode time
     assert torch.equal(a.pixel_values.cpu(), b.model_pixels())
     if device == "cpu":  # across devices only the pixels are compared: CPU and GPU arithmetic may differ

@@ -85,7 +85,7 @@ def _assert_same(name: str, ours, hf) -> None:
         pixels = torch.stack([torch.as_tensor(it.pixel_values) for it in items])
     else:
         pixels = torch.cat([it.model_pixels() for it in items])
-        assert [list(it.grid_thw) for it in items] == hf["image_grid_thw"].tolist()
+        assert [list(it.layout) for it in items] == hf["image_grid_thw"].tolist()
     assert pixels.shape == hf["pixel_values"].shape
     torch.testing.assert_close(pixels, hf["pixel_values"].to(pixels.dtype), atol=1e-2, rtol=0)
 

@@ -51,7 +51,7 @@ class Family:
             inputs["pixel_values"] = torch.stack([it.pixel_values for it in items])
         elif items:
             inputs["pixel_values"] = torch.cat([it.model_pixels() for it in items])
-            inputs["image_grid_thw"] = torch.tensor([it.grid_thw for it in items])
+            inputs["image_grid_thw"] = torch.tensor([it.layout for it in items])
             inputs["mm_token_type_ids"] = (ids == llm.engine.model.image_token_id).long()
         return inputs
 

@@ -92,7 +92,7 @@ def _prompt(cfg, grids: list[tuple[int, int, int]], seed: int = 1) -> tuple[list
     for i, (grid, px) in enumerate(zip(grids, pixels)):
         n = grid[0] * grid[1] * grid[2] // 4
         ids.append(cfg.vision_start_token_id)
-        items.append(MMItem(mm_hash=f"img{i}", pixel_values=px, offset=len(ids), num_tokens=n, grid_thw=grid))
+        items.append(MMItem(mm_hash=f"img{i}", pixel_values=px, offset=len(ids), num_tokens=n, layout=grid))
         ids += [cfg.image_token_id] * n + [cfg.vision_end_token_id] + text(3 + i)
     return ids, items
 
@@ -101,7 +101,7 @@ def _hf_inputs(cfg, ids: list[int], items: list[MMItem]) -> dict[str, torch.Tens
     input_ids = torch.tensor([ids])
     return dict(input_ids=input_ids, mm_token_type_ids=(input_ids == cfg.image_token_id).int(),
                 pixel_values=torch.cat([it.pixel_values for it in items]),
-                image_grid_thw=torch.tensor([it.grid_thw for it in items]))
+                image_grid_thw=torch.tensor([it.layout for it in items]))
 
 
 @torch.no_grad()
@@ -116,7 +116,7 @@ def _our_logits(model: Qwen2VLForConditionalGeneration, ids: list[int], items: l
 
 def test_vision_tower_matches_transformers(variant: Variant) -> None:
     pixels = _random_pixels(variant.grids)
-    items = [MMItem(mm_hash=str(i), pixel_values=px, num_tokens=t * h * w // 4, grid_thw=(t, h, w))
+    items = [MMItem(mm_hash=str(i), pixel_values=px, num_tokens=t * h * w // 4, layout=(t, h, w))
              for i, (px, (t, h, w)) in enumerate(zip(pixels, variant.grids))]
     with torch.no_grad():
         ours = variant.ours.encode_images(items)
@@ -132,7 +132,7 @@ def test_vision_tower_matches_transformers(variant: Variant) -> None:
 def test_encode_rejects_placeholder_mismatch(variant: Variant) -> None:
     t, h, w = variant.grids[0]
     item = MMItem(mm_hash="bad", pixel_values=_random_pixels([(t, h, w)])[0], num_tokens=t * h * w // 4 + 1,
-                  grid_thw=(t, h, w))
+                  layout=(t, h, w))
     with pytest.raises(ValueError, match="placeholder tokens"):
         variant.ours.encode_images([item])
 

@@ -21,13 +21,10 @@ from transformers.models.clip.image_processing_pil_clip import CLIPImageProcesso
 from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from flashvlm.processing.clip_image import ClipImageProcessor
 from flashvlm.processing.hashing import hash_image
-from flashvlm.processing.preprocess import (
-    ClipImageProcessor,
-    QwenImageProcessor,
-    get_image_processor,
-    smart_resize,
-)
+from flashvlm.processing.preprocess import get_image_processor
+from flashvlm.processing.qwen_image import QwenImageProcessor, smart_resize
 from flashvlm.request import InvalidRequestError
 
 PIXEL_TOL = 1e-2  # see module docstring

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from flashvlm import LLM
-from flashvlm.processing.preprocess import QwenImageProcessor
 from flashvlm.processing.qwen_grid import PATCH_SLACK, largest_qwen_grid, qwen_target_size
+from flashvlm.processing.qwen_image import QwenImageProcessor
 from flashvlm.request import InvalidRequestError
 from flashvlm.testing.tiny_checkpoints import build_llava, build_qwen2_vl
 
@@ -18,7 +18,7 @@ def test_qwen_profiles_the_largest_allowed_image(tmp_path) -> None:
     proc = llm.engine.input_processor.image_processor
     items = llm.engine.input_processor.profile_items(budget_tokens=32)
     assert len(items) == 1  # one max-size image outweighs the whole budget
-    t, h, w = items[0].grid_thw
+    t, h, w = items[0].layout
     assert (t, h * w) == (1, 2 * 226)  # max_pixels is 64 windows, but a 15x2993 sliver keeps 1x113 windows
     assert proc.grid_thw(15, 2993) == (1, 2, 226)
     embeddings = llm.engine.runner.model.encode_images(items)

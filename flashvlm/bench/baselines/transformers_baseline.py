@@ -41,21 +41,13 @@ class TransformersBaseline:
 
     def __init__(self, model_path: str, *, dtype: str = "bfloat16", device: str = "cuda",
                  load_format: str = "auto", seed: int = 0) -> None:
-        from transformers import (
-            LlavaForConditionalGeneration,
-            Qwen2_5_VLForConditionalGeneration,
-            Qwen2VLForConditionalGeneration,
-        )
-
         self.device = device
         self.dtype = _DTYPES["float32" if dtype == "auto" and device == "cpu" else
                              ("bfloat16" if dtype == "auto" else dtype)]
         self.checkpoint = read_checkpoint(ModelConfig(model=model_path))
         cfg = self.checkpoint.hf_config
-        cls = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
-               "llava": LlavaForConditionalGeneration}.get(cfg.model_type)
-        if cls is None:
-            raise ValueError(f"no transformers baseline for model_type {cfg.model_type!r}")
+        self.family = self.checkpoint.family
+        cls = self.family.baseline_model_class()
         torch.manual_seed(seed)
         if load_format == "dummy":
             with torch.device(device):
@@ -90,13 +82,8 @@ class TransformersBaseline:
         inputs: dict[str, Any] = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
         items = [it for p in prompts for it in p.mm_items]
         if items:
-            if self.checkpoint.model_type == "llava":
-                pixels = torch.stack([it.model_pixels(self.device) for it in items])
-            else:
-                pixels = torch.cat([it.model_pixels(self.device) for it in items])  # finished on the GPU, as ours
-                inputs["image_grid_thw"] = torch.tensor([it.grid_thw for it in items], device=self.device)
-                inputs["mm_token_type_ids"] = ((ids == self.image_token_id) & (mask == 1)).long().to(self.device)
-            inputs["pixel_values"] = pixels.to(self.device, self.dtype)
+            inputs.update(self.family.baseline_image_inputs(items, ids, mask, self.image_token_id, self.device))
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.device, self.dtype)
         return inputs
 
     def _generate(self, inputs: dict[str, Any], max_tokens: int) -> _TokenClock:

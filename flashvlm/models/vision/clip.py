@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashvlm.layers.activation import get_activation
-from flashvlm.layers.linear import MergedLinear
+from flashvlm.layers.linear import MergedLinear, PlainLinear
 
 # Checkpoint projection -> (packed module, shard). Same naming as the decoder's q/k/v packing, so one
 # loader pass can serve both towers without misrouting either.
@@ -54,7 +54,7 @@ class CLIPAttention(nn.Module):
         if self.head_dim * self.num_heads != dim:
             raise ValueError(f"hidden_size {dim} not divisible by num_attention_heads {self.num_heads}")
         self.qkv_proj = MergedLinear(dim, [dim, dim, dim], bias=True)
-        self.out_proj = nn.Linear(dim, dim)
+        self.out_proj = PlainLinear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -67,8 +67,8 @@ class CLIPAttention(nn.Module):
 class CLIPMLP(nn.Module):
     def __init__(self, cfg) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.fc1 = PlainLinear(cfg.hidden_size, cfg.intermediate_size)
+        self.fc2 = PlainLinear(cfg.intermediate_size, cfg.hidden_size)
         self.act = get_activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

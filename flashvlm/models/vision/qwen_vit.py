@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from flashvlm.layers.activation import get_activation
+from flashvlm.layers.linear import PlainLinear
 from flashvlm.layers.mlp import GatedMLP
 from flashvlm.layers.norm import LayerNorm, RMSNorm
 from flashvlm.layers.rotary import apply_rotary_qk_, rotate_half
@@ -90,7 +91,7 @@ class PatchEmbed(nn.Module):
 
     def __init__(self, in_features: int, dim: int) -> None:
         super().__init__()
-        self.proj = nn.Linear(in_features, dim, bias=False)
+        self.proj = PlainLinear(in_features, dim, bias=False)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.proj(pixel_values)
@@ -102,8 +103,8 @@ class VisionAttention(nn.Module):
         if dim % num_heads:
             raise ValueError(f"vision width {dim} not divisible by num_heads {num_heads}")
         self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
-        self.proj = nn.Linear(dim, dim)
+        self.qkv = PlainLinear(dim, 3 * dim, bias=True)
+        self.proj = PlainLinear(dim, dim)
         self.use_triton_kernels = True
         """Fused rotary kernel on CUDA tensors; the engine sets it from EngineConfig.kernel_backend."""
         self.attention_impl = "sdpa"
@@ -125,9 +126,9 @@ class VisionAttention(nn.Module):
 class Qwen2VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
+        self.fc1 = PlainLinear(dim, hidden)
         self.act = get_activation(act)
-        self.fc2 = nn.Linear(hidden, dim)
+        self.fc2 = PlainLinear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -159,8 +160,8 @@ class PatchMerger(nn.Module):
         self.hidden = dim * merge * merge
         self.ln_q = norm(dim)
         # A Sequential keeps the checkpoint's names (mlp.0, mlp.2); exact-erf GELU as in the reference.
-        self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(),
-                                 nn.Linear(self.hidden, out_dim))
+        self.mlp = nn.Sequential(PlainLinear(self.hidden, self.hidden), nn.GELU(),
+                                 PlainLinear(self.hidden, out_dim))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`residual`: the last block's residual stream, added to x inside the norm."""

@@ -1,0 +1,62 @@
+"""Qwen2-VL and Qwen2.5-VL. Their parts: `models/qwen2_vl.py` (model, weight names of both checkpoint layouts),
+`models/vision/qwen_vit.py` (the two towers), `processing/qwen_image.py` and `processing/qwen_grid.py` (smart
+resize, patchify, the (t, h, w) grid an item carries as its layout, the largest grid), `testing/tiny_qwen.py`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from flashvlm.models.registry import ModelFamily
+
+if TYPE_CHECKING:
+    import torch
+
+    from flashvlm.models.interfaces import VLModel
+    from flashvlm.models.loader import Checkpoint
+    from flashvlm.processing.qwen_image import QwenImageInputs, QwenImageProcessor
+    from flashvlm.request import MMItem
+
+
+class QwenVLFamily(ModelFamily):
+    image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+
+    def __init__(self, architecture: str, model_type: str, qwen25: bool) -> None:
+        self.architecture, self.model_type, self.qwen25 = architecture, model_type, qwen25
+
+    def model_class(self) -> type[VLModel]:
+        from flashvlm.models import qwen2_vl
+
+        return getattr(qwen2_vl, self.architecture)
+
+    def image_processor(self, preprocessor_config: Mapping[str, Any]) -> QwenImageProcessor:
+        from flashvlm.processing.qwen_image import QwenImageProcessor
+
+        return QwenImageProcessor.from_config(preprocessor_config)
+
+    def image_inputs(self, checkpoint: Checkpoint) -> QwenImageInputs:
+        from flashvlm.processing.qwen_image import QwenImageInputs
+
+        return QwenImageInputs(self.image_processor(checkpoint.preprocessor_config or {}))
+
+    def vision_patches(self, item: MMItem) -> int:
+        return math.prod(item.layout)
+
+    def baseline_image_inputs(self, items: list[MMItem], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                              image_token_id: int, device: str) -> dict[str, torch.Tensor]:
+        import torch
+
+        return {"pixel_values": torch.cat([it.model_pixels(device) for it in items]),  # finished on the GPU, as ours
+                "image_grid_thw": torch.tensor([it.layout for it in items], device=device),
+                "mm_token_type_ids": ((input_ids == image_token_id) & (attention_mask == 1)).long().to(device)}
+
+    def build_tiny_checkpoint(self, path: str | Path, **kwargs: Any) -> Path:
+        from flashvlm.testing.tiny_qwen import build_qwen2_vl
+
+        return build_qwen2_vl(path, qwen25=self.qwen25, **kwargs)
+
+
+QWEN2_VL = QwenVLFamily("Qwen2VLForConditionalGeneration", "qwen2_vl", qwen25=False)
+QWEN2_5_VL = QwenVLFamily("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", qwen25=True)
