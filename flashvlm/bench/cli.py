@@ -281,13 +281,18 @@ def _run_serve(args: argparse.Namespace) -> list[ScenarioResult]:
     return [_finish(r, args) for r in results]
 
 
+def _configs_text(spec: str) -> str:
+    """--configs is either the JSON list itself or the path of a file holding it."""
+    if spec.lstrip().startswith("["):
+        return spec
+    try:
+        return Path(spec).read_text()
+    except OSError as e:
+        raise ValueError(f"--configs: cannot read {spec!r}: {e}") from None
+
+
 def _load_configs(spec: str) -> list[dict[str, Any]]:
-    text = spec
-    if not spec.lstrip().startswith("["):
-        try:
-            text = Path(spec).read_text()
-        except OSError as e:
-            raise ValueError(f"--configs: cannot read {spec!r}: {e}") from None
+    text = _configs_text(spec)
     try:
         configs = json.loads(text)
     except json.JSONDecodeError as e:

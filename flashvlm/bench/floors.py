@@ -32,9 +32,6 @@ class ModelCost:
     vit_depth: int
     vit_width: int
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def _matrices(module: nn.Module | None) -> list[tuple[str, nn.Parameter]]:
     if module is None:
@@ -93,9 +90,6 @@ class Floors:
     bandwidth: float
     peak_flops: float
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def workload_floors(cost: ModelCost, prompt_tokens: float, output_tokens: float, patches_per_request: float,
                     bandwidth: float = H200_BANDWIDTH, peak_flops: float = H200_BF16_FLOPS) -> Floors:
@@ -111,7 +105,7 @@ def achieved(summary: dict[str, Any], floors: Floors) -> dict[str, float | None]
     tpot = (summary.get("tpot_ms") or {}).get("p50")
     ttft = (summary.get("ttft_ms") or {}).get("p50")
     return {
-        **floors.to_dict(),
+        **asdict(floors),
         "achieved_decode_fraction": floors.decode_floor_ms_per_token / tpot if tpot else None,
         "achieved_prefill_fraction": floors.prefill_floor_ms / ttft if ttft else None,
     }

@@ -84,10 +84,7 @@ class RequestStream:
     def __init__(self, stream: OutputSlot, abort: Callable[[str], None]) -> None:
         self._s = stream
         self._abort = abort
-
-    @property
-    def request_id(self) -> str:
-        return self._s.request_id
+        self.request_id = stream.request_id
 
     @property
     def finished(self) -> bool:

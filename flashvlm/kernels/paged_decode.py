@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashvlm.kernels.paged_args import gqa_group, last_dim_contiguous
+
 _LOG2E = 1.4426950408889634
 
 
@@ -136,19 +138,14 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     block_tables: (B, max_blocks) int32; seq_lens: (B,) int32 (context length including this token)."""
     num_seqs, num_heads, head_dim = q.shape
     kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
-    if num_heads % kv_heads:
-        raise ValueError(f"num_heads {num_heads} not divisible by kv_heads {kv_heads}")
+    group = gqa_group(num_heads, kv_heads)
     if seq_lens.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
         raise ValueError("paged_decode expects exactly one query token per sequence")
     if out is None:
         out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if kv_cache.stride(-1) != 1 or out.stride(-1) != 1 or block_tables.stride(-1) != 1:
-        raise ValueError("kv_cache, out and block_tables must be contiguous in their last dim")
-    group = num_heads // kv_heads
+    q = last_dim_contiguous(q, kv_cache, out, block_tables)
     block_h = max(16, triton.next_power_of_2(group))
     block_d = triton.next_power_of_2(head_dim)
     if block_n is None:

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashvlm.kernels.paged_args import gqa_group, last_dim_contiguous
+
 _LOG2E = 1.4426950408889634
 
 
@@ -142,17 +144,12 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torc
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
-    if num_heads % kv_heads:
-        raise ValueError(f"num_heads {num_heads} not divisible by kv_heads {kv_heads}")
+    group = gqa_group(num_heads, kv_heads)
     if out is None:
         out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if kv_cache.stride(-1) != 1 or out.stride(-1) != 1 or block_tables.stride(-1) != 1:
-        raise ValueError("kv_cache, out and block_tables must be contiguous in their last dim")
-    group = num_heads // kv_heads
+    q = last_dim_contiguous(q, kv_cache, out, block_tables)
     auto_m, auto_n, auto_warps, auto_stages = prefill_tiles(max_query_len, group, q.dtype)
     block_m = block_m or auto_m
     if block_m < group:

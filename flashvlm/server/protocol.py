@@ -325,15 +325,37 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class _CompletionObject(BaseModel):
+    """The fields every completion object (response or stream chunk) opens with, in OpenAI's order; each kind
+    pins `object` to its own literal."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+
+
+class ChatCompletionResponse(_CompletionObject):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: UsageInfo
 
 
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_CompletionObject):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# The chat stream's chunks, for the OpenAPI spec: the server writes them as plain dicts (serving.py).
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
@@ -346,29 +368,11 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_CompletionObject):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
-    model: str
+    """Required: every chunk of one stream carries the same creation time."""
     choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
 

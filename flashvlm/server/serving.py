@@ -66,9 +66,13 @@ class _Started:
     params: SamplingParams
     span: Any
     include_usage: bool
-    final: RequestOutput | None = None
     latest: RequestOutput | None = None
     """The newest output read so far, for the metrics of a request the client abandoned."""
+
+    @property
+    def final(self) -> RequestOutput | None:
+        """The finished output, once read: a request's stream ends with it, so it is the newest one."""
+        return self.latest if self.latest is not None and self.latest.finished else None
 
 
 class OpenAIServing:
@@ -306,7 +310,6 @@ class OpenAIServing:
             raise
         finally:
             st.stream.close()
-            st.final = final
             self._finish(st, final, error)
 
     def _finish(self, st: _Started, final: RequestOutput | None, error: BaseException | None) -> None:

@@ -17,10 +17,12 @@ import socket
 import threading
 import time
 import uuid
+from dataclasses import KW_ONLY, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
+@dataclass(eq=False)
 class FakeOpenAIServer:
     """OpenAI-style streaming server on 127.0.0.1 (free port), run in a background thread while in a `with` block.
 
@@ -35,31 +37,29 @@ class FakeOpenAIServer:
         image_tokens: prompt tokens charged per image in the usage report.
     """
 
-    def __init__(self, tokens_per_request: int = 8, token_text: str = "tok", fail_every: int | None = None, *,
-                 malformed_every: int | None = None, first_token_delay_s: float = 0.0, token_delay_s: float = 0.0,
-                 image_tokens: int = 16, model: str = "fake-model") -> None:
-        self.tokens_per_request = tokens_per_request
-        self.token_text = token_text
-        self.fail_every = fail_every
-        self.malformed_every = malformed_every
-        self.first_token_delay_s = first_token_delay_s
-        self.token_delay_s = token_delay_s
-        self.image_tokens = image_tokens
-        self.model = model
+    tokens_per_request: int = 8
+    token_text: str = "tok"
+    fail_every: int | None = None
+    _: KW_ONLY
+    malformed_every: int | None = None
+    first_token_delay_s: float = 0.0
+    token_delay_s: float = 0.0
+    image_tokens: int = 16
+    model: str = "fake-model"
 
-        self.received: list[dict[str, Any]] = []
-        """Parsed JSON bodies of completion requests, in arrival order."""
-        self.arrival_times: list[float] = []
-        """time.time() at which each body in `received` was read."""
-        self.images_per_request: list[int] = []
-        self.tier_headers: list[str | None] = []
-        """The x-sla-tier header of each body in `received`."""
-        self.in_flight = 0
-        self.max_in_flight = 0
+    received: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
+    """Parsed JSON bodies of completion requests, in arrival order."""
+    arrival_times: list[float] = field(default_factory=list, init=False, repr=False)
+    """time.time() at which each body in `received` was read."""
+    images_per_request: list[int] = field(default_factory=list, init=False, repr=False)
+    tier_headers: list[str | None] = field(default_factory=list, init=False, repr=False)
+    """The x-sla-tier header of each body in `received`."""
+    in_flight: int = field(default=0, init=False, repr=False)
+    max_in_flight: int = field(default=0, init=False, repr=False)
 
-        self._lock = threading.Lock()
-        self._httpd: _Server | None = None
-        self._thread: threading.Thread | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _httpd: _Server | None = field(default=None, init=False, repr=False)
+    _thread: threading.Thread | None = field(default=None, init=False, repr=False)
 
     @property
     def base_url(self) -> str:
