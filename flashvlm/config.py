@@ -204,21 +204,16 @@ class EngineConfig:
             usable = fa4_missing is None and self.attention_backend != "reference"
             self.vision_attention = "fa4" if usable else "sdpa"
 
-    def fit_attention_to_dtype(self, dtype: Any) -> list[str]:
-        """FA4 takes bf16/fp16 only: for another model dtype (float32), the LM's prefill goes to the Triton kernel
-        and the tower to SDPA, and the config says so. Returns what changed, for the log."""
+    def attention_for_dtype(self, dtype: Any) -> tuple[str, str]:
+        """The (language-model, vision) attention backends that run for a model of this dtype. FA4 takes bf16/fp16
+        only: for another dtype (float32) the LM's prefill goes to the Triton kernel and the tower to SDPA. The
+        config itself keeps what was asked for; the engine records the result in `EngineLimits`."""
         from flashvlm.kernels.dispatch import FA4_DTYPES
 
         if dtype in FA4_DTYPES:
-            return []
-        changed = []
-        if self.attention_backend == "fa4":
-            self.attention_backend = "triton"
-            changed.append("attention_backend fa4 -> triton")
-        if self.vision_attention == "fa4":
-            self.vision_attention = "sdpa"
-            changed.append("vision_attention fa4 -> sdpa")
-        return changed
+            return self.attention_backend, self.vision_attention
+        return ("triton" if self.attention_backend == "fa4" else self.attention_backend,
+                "sdpa" if self.vision_attention == "fa4" else self.vision_attention)
 
 
 @functools.cache

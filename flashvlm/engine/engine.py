@@ -48,9 +48,11 @@ class Engine:
         self.dtype = resolve_dtype(mc, self.checkpoint.hf_config, config.device)
         self.model = load_model(mc, self.checkpoint, config.device, self.dtype)
         set_kernel_backend(self.model, config.kernel_backend)
-        for change in config.fit_attention_to_dtype(self.dtype):
-            logger.info("%s: FlashAttention-4 takes bf16/fp16, the model runs in %s", change, self.dtype)
-        set_vision_attention(self.model, config.vision_attention)
+        attention_backend, vision_attention = config.attention_for_dtype(self.dtype)
+        if (attention_backend, vision_attention) != (config.attention_backend, config.vision_attention):
+            logger.info("attention %s / vision %s: FlashAttention-4 takes bf16/fp16, the model runs in %s",
+                        attention_backend, vision_attention, self.dtype)
+        set_vision_attention(self.model, vision_attention)
         set_gemv_max_rows(self.model, GEMV_MAX_ROWS if config.decode_gemv else 0)
         self.load_time = time.perf_counter() - t0
         cache = config.cache
@@ -60,12 +62,14 @@ class Engine:
         self.input_processor = InputProcessor(self.checkpoint, text_cfg.vocab_size, self.model.image_token_id,
                                               pixel_cache_bytes=PIXEL_CACHE_BYTES if caching else 0,
                                               preprocess_device=config.device if config.preprocess_on_gpu else None)
-        self.runner = ModelRunner(config, self.model, self.dtype, max_model_len=max_len)
+        self.runner = ModelRunner(config, self.model, self.dtype, max_model_len=max_len,
+                                  attention_backend=attention_backend)
         num_blocks = self.runner.determine_num_blocks(
             lambda: self.input_processor.profile_items(config.scheduler.max_num_batched_tokens))
         self.runner.allocate_kv_cache(num_blocks)
         self.limits = EngineLimits(max_model_len=max_len, num_kv_blocks=num_blocks,
-                                   lookahead_slots=1 if self.runner.pipeline is not None else 0)
+                                   lookahead_slots=1 if self.runner.pipeline is not None else 0,
+                                   attention_backend=attention_backend, vision_attention=vision_attention)
         """What this engine runs with, derived above; the config stays as validated."""
         self.scheduler = Scheduler(config.scheduler,
                                    BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching),

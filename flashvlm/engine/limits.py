@@ -17,9 +17,9 @@ class EngineLimits:
     checkpoint's config is read; the scheduler, the runner (graph shapes, the decode split bound) and the server
     (context-length errors, /v1/models) read it."""
     num_kv_blocks: int
-    """KV cache blocks allocated, block 0 (the null block) included. Derived by the ModelRunner
-    (`determine_num_blocks`): from kv_cache_tokens when given, else on CUDA from what gpu_memory_utilization leaves
-    after the memory profile, else (CPU) from max_model_len and max_num_seqs."""
+    """KV cache blocks allocated, block 0 (the null block) included. Derived by the runner's memory planner
+    (`MemoryPlanner.determine_num_blocks`): from kv_cache_tokens when given, else on CUDA from what
+    gpu_memory_utilization leaves after the memory profile, else (CPU) from max_model_len and max_num_seqs."""
     lookahead_slots: int
     """KV slots a decoding request holds past its next token: 1 when the runner built the greedy decode pipeline
     (decode_lookahead with CUDA graphs), else 0. Derived by the Engine from the runner once the KV cache and graphs
@@ -27,6 +27,11 @@ class EngineLimits:
     the step launched ahead never waits on an allocation. Such a block is taken only from a surplus (a free block
     left for every running request), so no running request's own token preempts anyone for it; a new request
     admitted in the same step may find fewer free blocks and preempt a lower-priority one."""
+    attention_backend: str = "reference"
+    """The language model's attention backend that runs: the validated config's choice, moved off FA4 for a model
+    dtype FA4 does not take (`EngineConfig.attention_for_dtype`)."""
+    vision_attention: str = "sdpa"
+    """The vision towers' attention backend that runs, chosen the same way."""
 
 
 def resolve_max_model_len(requested: int | None, model_limit: int) -> int:

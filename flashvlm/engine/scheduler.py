@@ -38,8 +38,8 @@ class Scheduler(WaitingAdmission):
     def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager,
                  encoder_cache: EncoderCacheManager, *, max_model_len: int, lookahead_slots: int) -> None:
         self.config = scheduler_config
-        self.max_model_len = max_model_len  # EngineLimits.max_model_len; 0: no limit (unit tests)
-        self.lookahead_slots = lookahead_slots  # EngineLimits.lookahead_slots says what it buys
+        self._max_model_len = max_model_len
+        self._lookahead_slots = lookahead_slots
         self.block_manager = block_manager
         self.encoder_cache = encoder_cache
         self.requests: dict[str, Request] = {}
@@ -57,6 +57,16 @@ class Scheduler(WaitingAdmission):
         self.num_images_skipped = 0
         """Images whose placeholders a prefix-cache hit covered entirely: no encoder run, no prefill."""
         self._token_budget = scheduler_config.max_num_batched_tokens
+
+    @property
+    def max_model_len(self) -> int:
+        """EngineLimits.max_model_len, as the engine passed it (read-only); 0: no limit (unit tests)."""
+        return self._max_model_len
+
+    @property
+    def lookahead_slots(self) -> int:
+        """EngineLimits.lookahead_slots (read-only), which says what it buys."""
+        return self._lookahead_slots
 
     # ---- queue state -------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 PATCH_SLACK = 1.1
 """How far past the planned grid a request's own min_pixels may take an image: the profile keeps 10% headroom
-(ModelRunner.profile_peak_memory), and growing an ordinary photo to min_pixels = max_pixels overshoots by a few
+(MemoryPlanner.profile_peak_memory), and growing an ordinary photo to min_pixels = max_pixels overshoots by a few
 percent (both sides round up: 640x480 gets 1,302 merge windows where 1,280 are planned). Only slivers go further."""
 
 

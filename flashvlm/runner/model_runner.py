@@ -46,7 +46,8 @@ class _ExecutorAttribute:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: VLModel, dtype: torch.dtype, *, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, model: VLModel, dtype: torch.dtype, *, max_model_len: int,
+                 attention_backend: str) -> None:
         self.config = config
         self.model = model
         self.dtype = dtype
@@ -54,7 +55,7 @@ class ModelRunner:
         """EngineLimits.max_model_len: the graphs' longest sequence and the decode split bound."""
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
-        self.backend = get_backend(config.attention_backend)
+        self.backend = get_backend(attention_backend)  # EngineLimits.attention_backend
         self.use_cuda_graphs = not config.enforce_eager and self.device.type == "cuda" and self.backend.graph_capturable
         if self.backend.graph_capturable:
             # Decode split counts follow the batch shape only, never the step's lengths: graphs need that, and

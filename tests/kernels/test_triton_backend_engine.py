@@ -5,6 +5,8 @@ On CPU the kernels run in Triton's interpreter (tests/kernels/conftest.py); on a
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -153,7 +155,9 @@ def _decode_graphs_on_cpu(llm: LLM, lookahead: bool) -> None:
                                  engine.max_model_len, runner.block_size, runner.device)
     if lookahead:
         runner.pipeline = GreedyDecodePipeline(runner.graphs, runner.block_size, engine.max_model_len)
-        engine.scheduler.lookahead_slots = 1  # what the engine passes when it builds the pipeline itself
+        # What the engine derives and passes when it builds the pipeline itself.
+        engine.limits = dataclasses.replace(engine.limits, lookahead_slots=1)
+        engine.scheduler._lookahead_slots = 1
 
 
 def test_decode_graphs_staging_gives_the_eager_tokens(tmp_path) -> None:

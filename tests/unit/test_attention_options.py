@@ -146,12 +146,24 @@ def test_fa4_needs_triton_for_decode(monkeypatch) -> None:
 
 
 def test_float32_models_leave_fa4(monkeypatch) -> None:
-    """The model's dtype is known only once the checkpoint is read: the engine then moves a float32 model off
-    FA4 (which takes bf16/fp16) so the config and the benchmark fingerprint say what runs."""
+    """The model's dtype is known only once the checkpoint is read: the engine then runs a float32 model off FA4
+    (which takes bf16/fp16) and records that in its limits (the benchmark fingerprint's `limits`); the config
+    keeps what was asked for."""
     monkeypatch.setattr(dispatch, "fa4_unavailable_reason", lambda device: None)
     monkeypatch.setattr(dispatch, "triton_available", lambda: True)
     cfg = _config(device="cuda").validate()
-    assert cfg.fit_attention_to_dtype(torch.bfloat16) == [] and cfg.attention_backend == "fa4"
-    assert cfg.fit_attention_to_dtype(torch.float32) == ["attention_backend fa4 -> triton",
-                                                          "vision_attention fa4 -> sdpa"]
-    assert (cfg.attention_backend, cfg.vision_attention) == ("triton", "sdpa")
+    assert cfg.attention_for_dtype(torch.bfloat16) == ("fa4", "fa4")
+    assert cfg.attention_for_dtype(torch.float32) == ("triton", "sdpa")
+    assert (cfg.attention_backend, cfg.vision_attention) == ("fa4", "fa4")
+
+
+def test_option_choices_are_the_registered_backends() -> None:
+    """The config's choices and the backend registries name the same backends: a backend registered in one and
+    not the other would be unreachable or fail at start-up."""
+    from flashvlm.attention.base import ATTENTION_BACKENDS
+    from flashvlm.attention.vision import VISION_BACKENDS
+    from flashvlm.config import engine_options
+
+    choices = {o.name: o.spec.choices for o in engine_options()}
+    assert tuple(choices["attention_backend"]) == ("auto", *ATTENTION_BACKENDS)
+    assert tuple(choices["vision_attention"]) == ("auto", *VISION_BACKENDS)
