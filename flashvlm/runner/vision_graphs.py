@@ -1,7 +1,7 @@
 """CUDA graphs of the vision tower, one per batch shape (the images' patch grids), for shapes that recur.
 
 Why: the tower runs eagerly, and on the H200 its launches cost more host time than its arithmetic costs GPU time
-(a 1008x756 image took 28-35 ms against a ~10 ms compute floor, docs/BENCHMARKS.md). Screenshots and product
+(measured eagerly on the H200, a 1008x756 image took 28-35 ms against a ~10 ms compute floor). Screenshots and product
 photos come in a few sizes, so a shape seen before is worth a graph: the second time a shape arrives it is
 captured, and from then on replayed. Shapes seen once stay eager, so a stream of one-off sizes never pays for
 captures. At most `max_graphs` graphs are kept (least recently used goes first); they share one memory pool,

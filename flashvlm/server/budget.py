@@ -48,7 +48,7 @@ class AdaptiveBudgetController:
     The budget stays in [min_budget, max_budget] and never below the number of decoding sequences plus
     `min_prefill_tokens` (capped at max_budget): a budget smaller than the batch would starve running requests of
     their next token, and one with no room for prefill would stop admitting anyone, so under overload every queue
-    (gold's too) would grow without bound. Measured on the H200 (docs/BENCHMARKS.md): without that
+    (gold's too) would grow without bound. Measured on the H200 with the 7B config: without that
     allowance the budget fell to the batch size under a 40 req/s overload and gold waited 9 s for a first token.
     A max_budget at or below decode count + min_prefill_tokens therefore pins the budget at max_budget.
     Not thread-safe: call from the engine's step loop.
