@@ -13,6 +13,7 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any
 
 from flashvlm.option_spec import EngineOption, collect_options, option
+from flashvlm.quant.registry import QUANTIZATION_CHOICES
 
 
 class ConfigError(ValueError):
@@ -60,6 +61,13 @@ class ModelConfig:
     seed: int = option(0, help="seed for random weights and unseeded sampling")
     max_model_len: int | None = option(None, minimum=1, shown_default="the model's max_position_embeddings",
                                        help="longest prompt + output of one request, in tokens")
+    quantization: str | None = option(
+        None, choices=QUANTIZATION_CHOICES, shown_default="none, or the checkpoint's own quantization_config",
+        help="quantize the language model's linear layers at load: fp8 (e4m3 weights per output channel, "
+             "activations per token), int8 (W8A8), int4 (W4A16, groups of 128); a pre-quantized checkpoint "
+             "(compressed-tensors, transformers fp8) is run as it is without this flag (docs/quantization.md)")
+    quantize_vision: bool = option(False, help="with --quantization, also quantize the vision tower and projector "
+                                               "(they stay in the model dtype by default)")
     hf_overrides: dict[str, Any] = option(default_factory=dict, cli=False,
                                           help="keyword overrides for the checkpoint's transformers config "
                                                "(passed to AutoConfig.from_pretrained)")

@@ -22,6 +22,8 @@ from flashvlm.kernels.dispatch import set_kernel_backend
 from flashvlm.layers.linear import GEMV_MAX_ROWS, set_gemv_max_rows
 from flashvlm.models.loader import load_model, read_checkpoint, resolve_dtype
 from flashvlm.processing.input_processor import InputProcessor, ProcessedPrompt
+from flashvlm.quant.apply import quantization_summary
+from flashvlm.quant.plan import resolve_plan
 from flashvlm.request import InvalidRequestError, Request, RequestOutput, RequestStatus, SamplingParams
 from flashvlm.runner.memory_planner import PIXEL_CACHE_BYTES
 from flashvlm.runner.model_runner import ModelRunner, StepTimings
@@ -46,7 +48,8 @@ class Engine:
         self.checkpoint = read_checkpoint(mc)
         max_len = resolve_max_model_len(mc.max_model_len, self.checkpoint.max_position_embeddings)
         self.dtype = resolve_dtype(mc, self.checkpoint.hf_config, config.device)
-        self.model = load_model(mc, self.checkpoint, config.device, self.dtype)
+        quant_plan = resolve_plan(mc.quantization, self.checkpoint.hf_config, mc.quantize_vision)
+        self.model = load_model(mc, self.checkpoint, config.device, self.dtype, quant_plan)
         set_kernel_backend(self.model, config.kernel_backend)
         attention_backend, vision_attention = config.attention_for_dtype(self.dtype)
         if (attention_backend, vision_attention) != (config.attention_backend, config.vision_attention):
@@ -69,7 +72,9 @@ class Engine:
         self.runner.allocate_kv_cache(num_blocks)
         self.limits = EngineLimits(max_model_len=max_len, num_kv_blocks=num_blocks,
                                    lookahead_slots=1 if self.runner.pipeline is not None else 0,
-                                   attention_backend=attention_backend, vision_attention=vision_attention)
+                                   attention_backend=attention_backend, vision_attention=vision_attention,
+                                   quantization=None if quant_plan is None else
+                                   quantization_summary(self.model, quant_plan))
         """What this engine runs with, derived above; the config stays as validated."""
         self.scheduler = Scheduler(config.scheduler,
                                    BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching),

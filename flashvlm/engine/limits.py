@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ class EngineLimits:
     dtype FA4 does not take (`EngineConfig.attention_for_dtype`)."""
     vision_attention: str = "sdpa"
     """The vision towers' attention backend that runs, chosen the same way."""
+    quantization: dict[str, Any] | None = None
+    """What the weights run quantized with (`quant.apply.quantization_summary`): method, scheme, where it came
+    from (the checkpoint or --quantization), layer counts per format. None: every layer in the model dtype."""
 
 
 def resolve_max_model_len(requested: int | None, model_limit: int) -> int:

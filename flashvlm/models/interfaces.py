@@ -83,6 +83,11 @@ class VLModel(nn.Module):
         sits at position i + delta on all three axes."""
         return torch.arange(len(prompt_token_ids)), 0
 
+    def checkpoint_module(self, ckpt_name: str) -> str | None:
+        """The module (by our name) that a checkpoint tensor is loaded into; None for tensors the model skips.
+        The quantization pass uses it to find the layers a pre-quantized checkpoint stores quantized."""
+        raise NotImplementedError
+
     def load_weights(self, weights) -> set[str]:
         """Consume (checkpoint_name, tensor) pairs; return the parameter names that were filled."""
         raise NotImplementedError

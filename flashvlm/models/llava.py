@@ -12,7 +12,7 @@ from flashvlm.layers.linear import PlainLinear
 from flashvlm.models.decoder import PACKED_PROJECTIONS, DecoderModel
 from flashvlm.models.interfaces import VLModel
 from flashvlm.models.vision.clip import CLIP_PACKED_PROJECTIONS, CLIPVisionTower
-from flashvlm.models.weight_utils import load_params
+from flashvlm.models.weight_utils import load_params, module_of
 from flashvlm.request import MMItem
 
 _SUPPORTED_TEXT_MODELS = ("llama",)
@@ -133,6 +133,10 @@ class LlavaForConditionalGeneration(VLModel):
         if ckpt_name.startswith(_HEAD_PREFIXES):
             return self.lm_head is None
         return ckpt_name.startswith(_VISION_PREFIXES) and self._param_name(ckpt_name) is None
+
+    def checkpoint_module(self, ckpt_name: str) -> str | None:
+        name = self._param_name(ckpt_name)
+        return None if name is None else module_of(name, _PACKED)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_params(self, weights, self._param_name, packed=_PACKED, expected_unused=self._expected_unused)

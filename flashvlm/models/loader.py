@@ -15,7 +15,14 @@ import torch
 from flashvlm.config import ConfigError, ModelConfig
 from flashvlm.models.interfaces import VLModel
 from flashvlm.models.registry import ModelFamily, resolve_family
-from flashvlm.models.weight_utils import check_all_loaded, init_dummy_weights, iterate_checkpoint
+from flashvlm.models.weight_utils import (
+    check_all_loaded,
+    checkpoint_tensor_names,
+    init_dummy_weights,
+    iterate_checkpoint,
+)
+from flashvlm.quant.apply import finish_loading, prepare_for_checkpoint, quantize_model
+from flashvlm.quant.plan import QuantPlan
 
 logger = logging.getLogger(__name__)
 
@@ -135,13 +142,26 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def load_model(model_config: ModelConfig, checkpoint: Checkpoint, device: str, dtype: torch.dtype) -> VLModel:
+def load_model(model_config: ModelConfig, checkpoint: Checkpoint, device: str, dtype: torch.dtype,
+               quant_plan: QuantPlan | None = None) -> VLModel:
+    """Build the family's model and fill it. With a quantization plan, a pre-quantized checkpoint gets its
+    quantized layers swapped in before loading; float weights (a float checkpoint, or random weights for a
+    benchmark of any plan) are rounded after."""
     cls = checkpoint.family.model_class()
     with torch.device(device), _default_dtype(dtype):
         model = cls(checkpoint.hf_config)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
-    else:
-        filled = model.load_weights((name, t.to(device)) for name, t in iterate_checkpoint(checkpoint.path))
-        check_all_loaded(model, filled)
+        if quant_plan is not None:
+            quantize_model(model, quant_plan)
+        return model.eval()
+    prequantized = quant_plan is not None and quant_plan.prequantized
+    if prequantized:
+        prepare_for_checkpoint(model, quant_plan, checkpoint_tensor_names(checkpoint.path))
+    filled = model.load_weights((name, t.to(device)) for name, t in iterate_checkpoint(checkpoint.path))
+    check_all_loaded(model, filled)
+    if prequantized:
+        finish_loading(model)
+    elif quant_plan is not None:
+        quantize_model(model, quant_plan)
     return model.eval()

@@ -20,7 +20,7 @@ from flashvlm.models.vision.qwen_vit import (
     Qwen2VisionTower,
     QwenVisionTower,
 )
-from flashvlm.models.weight_utils import load_params
+from flashvlm.models.weight_utils import load_params, module_of
 from flashvlm.request import MMItem
 
 # load_params matches packed projections by name component anywhere in a name, so the vision tower's
@@ -145,6 +145,10 @@ class Qwen2VLForConditionalGeneration(VLModel):
     def _expected_unused(self, ckpt_name: str) -> bool:
         """What _param_name skips on purpose (anything else it cannot place is worth a warning)."""
         return ckpt_name.startswith("lm_head.") and self.lm_head is None
+
+    def checkpoint_module(self, ckpt_name: str) -> str | None:
+        name = self._param_name(ckpt_name)
+        return None if name is None else module_of(name, _PACKED)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_params(self, self._prepare(weights), self._param_name, packed=_PACKED,

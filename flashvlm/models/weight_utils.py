@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from flashvlm.config import ConfigError
-from flashvlm.layers.linear import MergedLinear
 from flashvlm.models.interfaces import MissingWeightError
 
 logger = logging.getLogger(__name__)
@@ -93,7 +92,7 @@ def load_params(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
             i, (packed_name, shard) = hit
             module_path, param_name = ".".join(parts[:i] + [packed_name]), parts[-1]
             module = model.get_submodule(module_path)
-            if not isinstance(module, MergedLinear):
+            if not hasattr(module, "load_shard"):  # a MergedLinear, or a quantized layer built from one
                 raise TypeError(f"{module_path} is not a MergedLinear")
             with torch.no_grad():
                 module.load_shard(param_name, shard, tensor)
@@ -114,6 +113,28 @@ def load_params(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         logger.warning("%d checkpoint tensor(s) match no parameter of %s and were not loaded: %s",
                        len(unexpected), type(model).__name__, shown)
     return filled
+
+
+def module_of(param_name: str, packed: dict[str, tuple[str, int]]) -> str:
+    """The module a parameter name (after renaming) belongs to; a packed projection's shard names its merged
+    module (`...self_attn.q_proj.weight` -> `...self_attn.qkv_proj`)."""
+    parts = param_name.split(".")
+    hit = _packed_hit(param_name, packed)
+    if hit is not None:
+        i, (packed_name, _) = hit
+        return ".".join(parts[:i] + [packed_name])
+    return ".".join(parts[:-1])
+
+
+def checkpoint_tensor_names(path: str | Path) -> list[str]:
+    """Every tensor name of a checkpoint folder, read from the safetensors headers only."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for f in checkpoint_files(path):
+        with safe_open(str(f), framework="pt") as st:
+            names.extend(st.keys())
+    return names
 
 
 def _packed_hit(name: str, packed: dict[str, tuple[str, int]]) -> tuple[int, tuple[str, int]] | None:
