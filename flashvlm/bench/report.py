@@ -188,6 +188,8 @@ def format_table(runs: Sequence[Any]) -> str:
     with_ratio = any(ratios)
     header = ["run", "ok/reqs", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p50", "out tok/s", "peak GB"]
     header += ["TTFT x", "tok/s x"] if with_ratio else []
+    with_floor = any(_get(r.get("summary"), "floors", "achieved_throughput_fraction") is not None for r in dicts)
+    header += ["of floor"] if with_floor else []
     header += ["bottleneck"]
     rows = []
     for name, r, rat in zip(run_names(dicts), dicts, ratios):
@@ -198,6 +200,8 @@ def format_table(runs: Sequence[Any]) -> str:
                _num(_get(s, "peak_memory_gb"))]
         if with_ratio:
             row += [_ratio((rat or {}).get("ttft_p50_ms")), _ratio((rat or {}).get("output_throughput"))]
+        if with_floor:  # of the whole run's floor output tok/s (throughput runs)
+            row += [_pct(_get(s, "floors", "achieved_throughput_fraction"))]
         rows.append([*row, str(s.get("bottleneck") or "-")])
     note = "\nlatencies in ms; 'x' columns: speedup vs baseline (>1 = better)" if with_ratio else "\nlatencies in ms"
     return _fixed_width(header, rows) + note

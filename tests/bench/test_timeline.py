@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flashvlm.bench import timeline
+from flashvlm.bench import report, timeline
 from flashvlm.bench.floors import ModelCost, RequestWork, run_floor
 from flashvlm.bench.metrics import summarize
 from flashvlm.bench.records import RequestRecord, ScenarioResult, StepRecord
@@ -89,6 +89,8 @@ def test_report_writes_the_timeline_plot_and_tables(tmp_path: Path) -> None:
     assert "| run | scenario | ok/reqs | duration | req/s | output tok/s | total tok/s | peak GB | bottleneck | " \
            "floor tok/s | of floor |" in md
     assert "Hardware floors" not in md  # per-request floors are for the latency scenarios
+    header, _, row = report.format_table([result]).splitlines()[:3]
+    assert header.split()[-3:] == ["of", "floor", "bottleneck"] and f"{100 * fraction:.1f}%" in row
 
 
 def test_several_throughput_runs_get_one_timeline_each(tmp_path: Path) -> None:
