@@ -143,7 +143,6 @@ def _progress(args: argparse.Namespace, total: int, desc: str):
 
 def _finish(result: ScenarioResult, args: argparse.Namespace, floors=None,
             requests: list[BenchRequest] | None = None) -> ScenarioResult:
-    from flashvlm.bench.floors import achieved
     from flashvlm.bench.metrics import parse_goodput, percentiles, summarize
 
     summary = summarize(result, parse_goodput(args.goodput) if args.goodput else None)
@@ -168,13 +167,19 @@ def _finish(result: ScenarioResult, args: argparse.Namespace, floors=None,
 
         summary["decode_step_host_ms"] = percentiles(decode_steps)
     if floors is not None:
-        summary["floors"] = achieved(summary, floors)
+        summary["floors"] = floors.achieved(summary)
     return result
 
 
-def _floors(llm, requests: list[BenchRequest], args: argparse.Namespace):
-    from flashvlm.bench.floors import model_cost, workload_floors
+def _floors(llm, requests: list[BenchRequest], args: argparse.Namespace, result: ScenarioResult):
+    """Throughput runs: the floor of the whole run, from the requests as `result` processed them; latency
+    scenarios: per-request floors of the workload's mean request."""
+    from flashvlm.bench.floors import model_cost, run_floor, run_work, workload_floors
 
+    if result.scenario == "throughput":
+        return run_floor(model_cost(llm.engine.model), run_work(result.records, requests),
+                         llm.engine.config.scheduler.max_num_seqs, bandwidth=args.peak_bandwidth * 1e12,
+                         peak_flops=args.peak_tflops * 1e12)
     n = max(len(requests), 1)
     processed = [llm.engine.process_prompt(r.engine_prompt()) for r in requests[: min(n, 8)]]
     prompt = sum(len(p.prompt_token_ids) for p in processed) / len(processed)
@@ -212,12 +217,13 @@ def _run_offline(args: argparse.Namespace, scenario: str, configs: list[dict[str
         llm = LLM.from_config(engine_config_from_args(args, model=path, **cfg))
         if not requests:
             requests, workload = _workload(args, llm.engine.checkpoint.family.image_placeholder)
-            floors = _floors(llm, requests, args)
         warm_up(llm, requests, args.warmup)
         bar, update = _progress(args, len(requests), f"{scenario} [{label}]")
         result = SCENARIOS[scenario](llm, requests, workload, label=label, progress=update)
         if bar is not None:
             bar.close()
+        if floors is None:  # one floor for every row: the first configuration's run defines the work
+            floors = _floors(llm, requests, args, result)
         runs.append(_finish(result, args, floors, requests))
         del llm  # each configuration gets the whole device
         _free_device_memory()

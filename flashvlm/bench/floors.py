@@ -1,12 +1,18 @@
-"""Hardware floors: the least time a step can take given the bytes it must read and the FLOPs it must do.
+"""Hardware floors: the least time work can take given the bytes it must read and the FLOPs it must do.
 
 Counts come from the built model's own parameters (so every family is covered) plus its attention
 shape. Decode is bandwidth-bound: every step reads all language-model weights once plus each
 sequence's KV cache. Prefill is compute-bound: 2 FLOPs per weight per token, plus attention.
+
+Two kinds: per-request floors (`workload_floors`: one request's TTFT and batch-1 decode, for the latency
+scenarios) and the floor of a whole offline run (`run_floor`: every request's FLOPs and every decode step's
+bytes, for throughput runs, where a batch shares each weight read).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -90,6 +96,9 @@ class Floors:
     bandwidth: float
     peak_flops: float
 
+    def achieved(self, summary: Mapping[str, Any]) -> dict[str, float | None]:
+        return achieved(summary, self)
+
 
 def workload_floors(cost: ModelCost, prompt_tokens: float, output_tokens: float, patches_per_request: float,
                     bandwidth: float = H200_BANDWIDTH, peak_flops: float = H200_BF16_FLOPS) -> Floors:
@@ -109,3 +118,116 @@ def achieved(summary: dict[str, Any], floors: Floors) -> dict[str, float | None]
         "achieved_decode_fraction": floors.decode_floor_ms_per_token / tpot if tpot else None,
         "achieved_prefill_fraction": floors.prefill_floor_ms / ttft if ttft else None,
     }
+
+
+# ---- the floor of a whole offline run ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class RequestWork:
+    """What one request of a run costs at least: its prompt, its answer, the images only it brings."""
+
+    prompt_tokens: int
+    output_tokens: int
+    image_patches: tuple[int, ...] = ()
+    """Patches of each image the vision tower must run for this request (an image an earlier request of the run
+    brought is not encoded again, so it is left out here)."""
+
+
+def min_decode_steps(decode_tokens: Sequence[int], max_num_seqs: int) -> int:
+    """Fewest steps that decode every request's tokens, one token per sequence per step and at most max_num_seqs
+    sequences a step: max(the longest request, ceil(all tokens / max_num_seqs)). Both bounds are necessary, and
+    together sufficient: fill the steps' slots request after request, wrapping a request to the next slot row
+    (it never meets itself in a step, being no longer than the step count)."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+    tokens = [max(0, int(n)) for n in decode_tokens]
+    return max(max(tokens, default=0), math.ceil(sum(tokens) / max_num_seqs))
+
+
+@dataclass
+class RunFloor:
+    """The least time a run of these requests can take on this hardware, and the output tok/s that gives.
+
+    Sum model, as the offline floors of the benchmark notes were derived: floor_s = compute_s + memory_s, with
+    compute_s every FLOP of the run at peak (prefill linear + causal attention of each prompt, the ViT of each
+    image, decode linear + attention of each generated token) and memory_s the decode steps' bytes at bandwidth
+    (the language-model weights once per decode step + every decode token's KV context). Prefill and the ViT are
+    compute-bound and decode bandwidth-bound, so a step does one or the other at its limit; `roofline_s` =
+    max(compute_s, memory_s) is the stricter bound of an engine that hid all decode traffic under prefill math.
+    The decode steps are the fewest max_num_seqs allows (`min_decode_steps`); the first token of each request
+    comes from its prefill. Not counted: prefill's weight and KV traffic, activations, norms, the sampler. The
+    ViT's attention is full (windowed towers do less), and no prefix-cache reuse is assumed, so a workload of
+    repeated prompts can run above 100% of it."""
+
+    num_requests: int
+    output_tokens: int
+    prefill_flops: float
+    vision_flops: float
+    decode_flops: float
+    decode_steps: int
+    decode_weight_bytes: float
+    decode_kv_bytes: float
+    compute_s: float
+    memory_s: float
+    floor_s: float
+    roofline_s: float
+    floor_output_throughput: float | None
+    """Output tokens per second of floor_s."""
+    max_num_seqs: int
+    bandwidth: float
+    peak_flops: float
+
+    def achieved(self, summary: Mapping[str, Any]) -> dict[str, float | None]:
+        """The floor beside the measured output tok/s: achieved = measured / floor tok/s (1.0 = at the limit)."""
+        measured = summary.get("output_throughput")
+        fraction = measured / self.floor_output_throughput if measured and self.floor_output_throughput else None
+        return {**asdict(self), "achieved_throughput_fraction": fraction}
+
+
+def _decode_context_tokens(prompt: int, decode: int) -> float:
+    """Keys the decode tokens of one request see: token j (1..decode) attends to prompt + j positions."""
+    return decode * prompt + decode * (decode + 1) / 2
+
+
+def run_floor(cost: ModelCost, work: Sequence[RequestWork], max_num_seqs: int, bandwidth: float = H200_BANDWIDTH,
+              peak_flops: float = H200_BF16_FLOPS) -> RunFloor:
+    """The floor of a run that processed these requests with at most max_num_seqs sequences a decode step."""
+    prefill = vision = decode = kv_tokens = 0.0
+    attention_per_key = 4.0 * cost.num_layers * cost.num_heads * cost.head_dim
+    decode_tokens = [max(0, w.output_tokens - 1) for w in work]
+    for w, n in zip(work, decode_tokens):
+        prefill += prefill_flops(cost, w.prompt_tokens, num_sampled=1 if w.output_tokens else 0)
+        vision += sum(vision_flops(cost, p) for p in w.image_patches)
+        keys = _decode_context_tokens(w.prompt_tokens, n)
+        decode += n * 2.0 * (cost.lm_matmul_params + cost.lm_head_params) + attention_per_key * keys
+        kv_tokens += keys
+    steps = min_decode_steps(decode_tokens, max_num_seqs)
+    weight_bytes, kv_bytes = float(steps * cost.lm_weight_bytes), kv_tokens * cost.kv_bytes_per_token
+    compute_s = (prefill + vision + decode) / peak_flops
+    memory_s = (weight_bytes + kv_bytes) / bandwidth
+    output = sum(w.output_tokens for w in work)
+    floor_s = compute_s + memory_s
+    return RunFloor(num_requests=len(work), output_tokens=output, prefill_flops=prefill, vision_flops=vision,
+                    decode_flops=decode, decode_steps=steps, decode_weight_bytes=weight_bytes,
+                    decode_kv_bytes=kv_bytes, compute_s=compute_s, memory_s=memory_s, floor_s=floor_s,
+                    roofline_s=max(compute_s, memory_s), floor_output_throughput=output / floor_s if floor_s else None,
+                    max_num_seqs=max_num_seqs, bandwidth=bandwidth, peak_flops=peak_flops)
+
+
+def run_work(records: Sequence[Any], requests: Sequence[Any]) -> list[RequestWork]:
+    """The successful requests of a run (RequestRecords) as RequestWork; each image is charged to the first
+    request that brings it (BenchRequest.image_keys: equal keys are the same picture)."""
+    keys = {r.request_id: r.image_keys for r in requests}
+    seen: set[str] = set()
+    work = []
+    for rec in records:
+        if not rec.success:
+            continue
+        image_keys = keys.get(rec.request_id) or [None] * len(rec.image_patches)
+        patches = []
+        for key, n in zip(image_keys, rec.image_patches):
+            if key is None or key not in seen:
+                patches.append(n)
+            if key is not None:
+                seen.add(key)
+        work.append(RequestWork(rec.prompt_tokens, rec.output_tokens, tuple(patches)))
+    return work

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from flashvlm.bench.records import STAGES, RequestRecord, ScenarioResult
+from flashvlm.bench.timeline import summarize_steps
 
 GOODPUT_KEYS = ("ttft", "tpot", "e2el")
 """SLO names accepted by `--goodput`, in milliseconds (vLLM's names)."""
@@ -145,6 +146,8 @@ def summarize(result: ScenarioResult, goodput_slos: Mapping[str, float] | None =
         "goodput": goodput,
         "peak_memory_gb": result.peak_memory_bytes / 1e9 if result.peak_memory_bytes is not None else None,
     }
+    if result.steps:
+        summary["step_timeline"] = summarize_steps(result.steps, duration)
     result.summary = summary
     return summary
 

@@ -1,4 +1,5 @@
-"""Small PNG plots for benchmark reports: latency CDFs, stage breakdown bars, throughput vs concurrency.
+"""Small PNG plots for benchmark reports: latency CDFs, stage breakdown bars, throughput vs concurrency, and
+(from bench/timeline.py) the step timeline of throughput runs.
 
 Every function takes runs as ScenarioResult objects or their `to_dict()` form, writes one ~600x400 PNG,
 and returns the paths written: [] when there is nothing to draw, so a report never fails for lack of data.
@@ -9,11 +10,13 @@ so no global backend is switched and no GUI window can open, even when called fr
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from flashvlm.bench.records import STAGES
+from flashvlm.bench.timeline import step_timeline
 
 __all__ = ["latency_cdf", "stage_breakdown", "throughput_vs_concurrency", "report_plots", "run_names", "as_dict"]
 
@@ -189,7 +192,8 @@ def _concurrency_points(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
 
 def report_plots(runs: Sequence[Any], plot_dir: str | Path) -> list[Path]:
     """Every plot a report shows for these runs, written under plot_dir: TTFT/TPOT/E2E CDFs, the stage
-    breakdown, and throughput vs concurrency where runs carry a `concurrency`/`max_concurrency` setting."""
+    breakdown, throughput vs concurrency where runs carry a `concurrency`/`max_concurrency` setting, and the
+    step timeline of each throughput run with step records."""
     dicts = [as_dict(r) for r in runs]
     plot_dir = Path(plot_dir)
     written: list[Path] = []
@@ -201,4 +205,9 @@ def report_plots(runs: Sequence[Any], plot_dir: str | Path) -> list[Path]:
     if any(len({p["concurrency"] for p in points if p["label"] == lab and p["concurrency"]}) > 1
            for lab in {p["label"] for p in points}):
         written += throughput_vs_concurrency(points, plot_dir / "throughput_vs_concurrency.png")
+    names = run_names(dicts)
+    timed = [(name, r) for name, r in zip(names, dicts) if r.get("scenario") == "throughput" and r.get("steps")]
+    for name, r in timed:  # one file per run: step_timeline.png, or one suffixed by run name when several
+        suffix = "" if len(timed) == 1 else "_" + re.sub(r"[^A-Za-z0-9.+-]+", "_", name)
+        written += step_timeline(r["steps"], plot_dir / f"step_timeline{suffix}.png", title=name)
     return written

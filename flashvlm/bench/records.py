@@ -56,6 +56,9 @@ class RequestRecord:
     stages: dict[str, float] = field(default_factory=dict)
     """Seconds per pipeline stage (keys from STAGES); empty when the engine cannot report them."""
     tier: str | None = None
+    image_patches: list[int] = field(default_factory=list)
+    """Patches the vision tower runs for each of the request's images, as our processor resized them (the
+    workload floor's vision FLOPs); empty where the system does not say."""
 
     @property
     def tpot(self) -> float | None:

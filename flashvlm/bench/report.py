@@ -24,6 +24,7 @@ from typing import Any
 from flashvlm.bench import plots
 from flashvlm.bench.plots import as_dict, run_names
 from flashvlm.bench.results_validation import SCHEMA_PATH, ResultsValidationError, load_results, validate_results
+from flashvlm.bench.timeline import summarize_steps
 
 __all__ = ["SCHEMA_PATH", "ResultsValidationError", "environment_fingerprint", "write_results", "load_results",
            "validate_results", "format_table", "render_markdown"]
@@ -136,6 +137,10 @@ def _num(v: float | None, unit: str = "") -> str:
     return f"{v:,.{digits}f}{unit}"
 
 
+def _count(v: float | None) -> str:
+    return "-" if v is None else f"{round(v):,}"
+
+
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.1f}%"
 
@@ -183,6 +188,8 @@ def format_table(runs: Sequence[Any]) -> str:
     with_ratio = any(ratios)
     header = ["run", "ok/reqs", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p50", "out tok/s", "peak GB"]
     header += ["TTFT x", "tok/s x"] if with_ratio else []
+    with_floor = any(_get(r.get("summary"), "floors", "achieved_throughput_fraction") is not None for r in dicts)
+    header += ["of floor"] if with_floor else []
     header += ["bottleneck"]
     rows = []
     for name, r, rat in zip(run_names(dicts), dicts, ratios):
@@ -193,6 +200,8 @@ def format_table(runs: Sequence[Any]) -> str:
                _num(_get(s, "peak_memory_gb"))]
         if with_ratio:
             row += [_ratio((rat or {}).get("ttft_p50_ms")), _ratio((rat or {}).get("output_throughput"))]
+        if with_floor:  # of the whole run's floor output tok/s (throughput runs)
+            row += [_pct(_get(s, "floors", "achieved_throughput_fraction"))]
         rows.append([*row, str(s.get("bottleneck") or "-")])
     note = "\nlatencies in ms; 'x' columns: speedup vs baseline (>1 = better)" if with_ratio else "\nlatencies in ms"
     return _fixed_width(header, rows) + note
@@ -245,14 +254,61 @@ def _run_md(name: str, run: Mapping[str, Any]) -> list[str]:
         lines += [f"Goodput ({slos}): {good.get('good_requests')} good requests ({_pct(_get(good, 'fraction'))}), "
                   f"{_num(_get(good, 'req_per_s'))} req/s.", ""]
     floors = s.get("floors") or {}
-    if floors:
+    if "floor_output_throughput" in floors:
+        lines += _run_floor_md(floors, s)
+    elif floors:
         rows = [["decode (ms/token)", _num(_get(floors, "decode_floor_ms_per_token")), _num(_get(s, "tpot_ms", "p50")),
                  _pct(_get(floors, "achieved_decode_fraction"))],
                 ["prefill (ms, TTFT)", _num(_get(floors, "prefill_floor_ms")), _num(_get(s, "ttft_ms", "p50")),
                  _pct(_get(floors, "achieved_prefill_fraction"))]]
         lines += ["Hardware floors (achieved = floor / measured P50; 100% = at the hardware limit):", "",
                   *_md_table(["", "floor", "measured P50", "achieved"], rows)]
+    if scenario == "throughput" and run.get("steps"):
+        lines += _timeline_md(run)
     return lines
+
+
+def _run_floor_md(floors: Mapping[str, Any], s: Mapping[str, Any]) -> list[str]:
+    """The floor of the whole run (bench/floors.py RunFloor) beside the measured throughput."""
+    def val(key: str, scale: float = 1.0, unit: str = "") -> str:
+        v = _get(floors, key)
+        if v is not None and 0 < abs(v * scale) < 0.1:  # a small model's floor: significant digits, not 0.00
+            return f"{v * scale:.2g}{unit}"
+        return _num(None if v is None else v * scale, unit)
+
+    rows = [["FLOPs (TFLOP): prefill / vision / decode",
+             f"{val('prefill_flops', 1e-12)} / {val('vision_flops', 1e-12)} / {val('decode_flops', 1e-12)}"],
+            ["decode bytes (GB): weights / KV", f"{val('decode_weight_bytes', 1e-9)} / {val('decode_kv_bytes', 1e-9)}"],
+            ["decode steps (fewest at max_num_seqs)",
+             f"{_count(_get(floors, 'decode_steps'))} (max_num_seqs {_count(_get(floors, 'max_num_seqs'))})"],
+            ["floor: FLOPs at peak + decode bytes at bandwidth",
+             f"{val('compute_s')} + {val('memory_s')} = {val('floor_s', unit=' s')}"],
+            ["floor output tok/s", val("floor_output_throughput")],
+            ["measured output tok/s", _num(_get(s, "output_throughput"))],
+            ["achieved (measured / floor)", _pct(_get(floors, "achieved_throughput_fraction"))]]
+    return [f"Workload floor of the whole run ({_count(_get(floors, 'num_requests'))} requests, "
+            f"{_count(_get(floors, 'output_tokens'))} output tokens; 100% = at the hardware limit):", "",
+            *_md_table(["", "value"], rows)]
+
+
+def _timeline_md(run: Mapping[str, Any]) -> list[str]:
+    """The step timeline in numbers (bench/timeline.py), beside plots/step_timeline*.png."""
+    t = summarize_steps(run.get("steps") or [], float(run.get("duration_s") or 0.0))
+    rows = [["steps (decode only / mixed / with vision)",
+             f"{_count(t['num_steps'])} ({_count(t['num_decode_only_steps'])} / {_count(t['num_mixed_steps'])} / "
+             f"{_count(t['num_vision_steps'])})"],
+            ["wall time GPU busy / idle", f"{_pct(t['gpu_busy_share'])} / {_pct(t['gpu_idle_share'])}"],
+            ["wall time inside engine steps", _pct(t["in_step_share"])],
+            ["host ms per step P50 / P99", f"{_num(t['host_ms_p50'])} / {_num(t['host_ms_p99'])}"],
+            ["host ms per step: schedule / inputs / update",
+             f"{_num(t['mean_schedule_ms'])} / {_num(t['mean_prepare_ms'])} / {_num(t['mean_update_ms'])}"],
+            ["images encoded (patches)", f"{_count(t['images_encoded'])} ({_count(t['image_patches'])})"],
+            ["mean tokens per step: prefill text / prefill image / decode",
+             f"{_num(t['mean_prefill_text_tokens'])} / {_num(t['mean_prefill_image_tokens'])} / "
+             f"{_num(t['mean_decode_tokens'])}"],
+            ["mean decode batch (steps that decode)", _num(t["mean_decode_batch"])]]
+    return ["Step timeline (GPU busy = vision + language-model device time from CUDA events; idle = the rest of "
+            "the wall time):", "", *_md_table(["", "value"], rows)]
 
 
 def render_markdown(doc: Mapping[str, Any], plot_paths: Sequence[Path] = (), out_dir: Path | None = None) -> str:
@@ -264,14 +320,19 @@ def render_markdown(doc: Mapping[str, Any], plot_paths: Sequence[Path] = (), out
              f"Created {doc.get('created', '-')} with flashvlm {doc.get('flashvlm_version', '-')}.", "",
              f"Command: `{' '.join(doc.get('command') or [])}`", "", *_environment_md(env), "## Summary", ""]
     rows = []
+    with_floor = any(_get(r.get("summary"), "floors", "floor_output_throughput") is not None for r in runs)
     for name, r in zip(names, runs):
         s = r.get("summary") or {}
-        rows.append([name, str(r.get("scenario", "-")), f"{s.get('num_success', '-')}/{s.get('num_requests', '-')}",
-                     _num(_get(s, "duration_s"), " s"), _num(_get(s, "request_throughput")),
-                     _num(_get(s, "output_throughput")), _num(_get(s, "total_token_throughput")),
-                     _num(_get(s, "peak_memory_gb")), str(s.get("bottleneck") or "-")])
+        row = [name, str(r.get("scenario", "-")), f"{s.get('num_success', '-')}/{s.get('num_requests', '-')}",
+               _num(_get(s, "duration_s"), " s"), _num(_get(s, "request_throughput")),
+               _num(_get(s, "output_throughput")), _num(_get(s, "total_token_throughput")),
+               _num(_get(s, "peak_memory_gb")), str(s.get("bottleneck") or "-")]
+        if with_floor:
+            row += [_num(_get(s, "floors", "floor_output_throughput")),
+                    _pct(_get(s, "floors", "achieved_throughput_fraction"))]
+        rows.append(row)
     lines += _md_table(["run", "scenario", "ok/reqs", "duration", "req/s", "output tok/s", "total tok/s", "peak GB",
-                        "bottleneck"], rows)
+                        "bottleneck", *(["floor tok/s", "of floor"] if with_floor else [])], rows)
     ratios = _ratios(runs)
     if any(ratios):
         present, known = {k for rat in ratios if rat for k in rat}, [k for k, *_ in _RATIO_METRICS]

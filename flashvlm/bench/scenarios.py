@@ -35,8 +35,10 @@ class _Tracker:
         self.records: dict[str, RequestRecord] = {}
         self.last_token_time: dict[str, float] = {}
 
-    def start(self, engine_id: str, bench_id: str, num_images: int, start_time: float) -> None:
-        self.records[engine_id] = RequestRecord(request_id=bench_id, num_images=num_images, start_time=start_time)
+    def start(self, engine_id: str, bench_id: str, num_images: int, start_time: float,
+              image_patches: list[int]) -> None:
+        self.records[engine_id] = RequestRecord(request_id=bench_id, num_images=num_images, start_time=start_time,
+                                                image_patches=image_patches)
 
     def observe(self, outputs: list[RequestOutput], now: float) -> list[str]:
         finished = []
@@ -75,7 +77,8 @@ def _submit(llm: LLM, tracker: _Tracker, req: BenchRequest, start: float | None 
         tracker.records[f"failed-{req.request_id}"] = RequestRecord(
             request_id=req.request_id, success=False, error=str(e), start_time=start, num_images=len(req.images))
         return None
-    tracker.start(engine_req.request_id, req.request_id, len(req.images), start)
+    patches = [engine.checkpoint.family.vision_patches(it) for it in prompt.mm_items]
+    tracker.start(engine_req.request_id, req.request_id, len(req.images), start, patches)
     return engine_req.request_id
 
 
@@ -133,6 +136,8 @@ class _Run:
     def __exit__(self, *exc) -> None:
         self.duration = time.perf_counter() - self.t0
         self.steps, self.engine.step_log = self.engine.step_log, None
+        for step in self.steps:  # perf_counter instants -> seconds since the run started
+            step.start_s -= self.t0
 
     def result(self, scenario: str, label: str, workload: dict) -> ScenarioResult:
         return _result(self.llm, scenario, label, workload, self.tracker, self.duration, self.steps)

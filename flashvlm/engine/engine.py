@@ -16,8 +16,9 @@ from flashvlm.cache.encoder_cache import EncoderCacheManager
 from flashvlm.config import EngineConfig
 from flashvlm.engine.detokenizer import IncrementalDetokenizer
 from flashvlm.engine.limits import EngineLimits, resolve_max_model_len
+from flashvlm.engine.sched_output import SchedulerOutput
 from flashvlm.engine.scheduler import Scheduler
-from flashvlm.engine.stats import StepRecord
+from flashvlm.engine.stats import StepRecord, record_step
 from flashvlm.kernels.dispatch import set_kernel_backend
 from flashvlm.layers.linear import GEMV_MAX_ROWS, set_gemv_max_rows
 from flashvlm.models.loader import load_model, read_checkpoint, resolve_dtype
@@ -192,6 +193,7 @@ class Engine:
         """One scheduler step; returns an output for every request that got tokens or finished."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        t_scheduled = time.perf_counter() if self.step_log is not None else t0
         # An empty step still goes through update(): it reports requests the scheduler ended itself.
         if out.is_empty:
             self.runner.release(out)
@@ -206,6 +208,7 @@ class Engine:
             by_id = {s.request.request_id: s.request for s in out.scheduled}
             for rid in out.encoder_inputs:
                 self.scheduler.add_stage_times(by_id[rid], vision_s=timings.vision_s)
+        t_update = time.perf_counter() if self.step_log is not None else t0
         changed = self.scheduler.update(out, sampled)
         outputs = []
         for req in changed:
@@ -225,13 +228,15 @@ class Engine:
             else:
                 outputs.append(self._make_output(tracked))
         if self.step_log is not None and not out.is_empty:
-            decode = sum(1 for s in out.scheduled if s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens)
-            total = out.total_num_scheduled_tokens
-            self.step_log.append(StepRecord(
-                num_seqs=len(out.scheduled), num_tokens=total, num_prefill_tokens=total - decode,
-                num_decode_tokens=decode, num_images=timings.num_images,
-                host_s=time.perf_counter() - t0, vision_s=timings.vision_s, forward_s=timings.forward_s))
+            self.step_log.append(self._step_record(out, timings, t0, t_scheduled, t_update))
         return outputs
+
+    def _step_record(self, out: SchedulerOutput, timings: StepTimings, t0: float, t_scheduled: float,
+                     t_update: float) -> StepRecord:
+        end = time.perf_counter()
+        patches = sum(self.checkpoint.family.vision_patches(it) for it in timings.encoded_items)
+        return record_step(out, timings, start=t0, end=end, schedule_s=t_scheduled - t0, update_s=end - t_update,
+                           image_patches=patches)
 
     def _forget_unmade_embeddings(self) -> None:
         """After a failed step: the scheduler registered this step's images as held before the runner encoded

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -128,21 +129,25 @@ class ModelRunner:
         """Run one scheduled step; returns the sampled token of each request that reached its end."""
         self.release(out)
         self._track_requests(out)
-        num_images = 0
+        encoded: tuple[MMItem, ...] = ()
         if out.encoder_inputs:
             self._vision_timer.start()
-            num_images = self._encode_images(out)
+            encoded = self._encode_images(out)
             self._vision_timer.stop()
 
         timer, previous_timer = self._forward_timers[self._step_parity], self._forward_timers[1 - self._step_parity]
         self._step_parity ^= 1
-        timer.start()
+        t_plan = time.perf_counter()
         plan = self.executor.plan(out, self.positions, allow_lookahead=not self.record_logits)
+        prepare_s = time.perf_counter() - t_plan
+        # Started after the host built the inputs, so an idle GPU waiting on that host work is not counted busy.
+        timer.start()
         if plan.path is ExecutionPath.LOOKAHEAD:
             tokens = self.executor.lookahead(out, plan)
             timer.stop()  # brackets the lookahead launched here: on average one step's time
             forward_s = previous_timer.seconds() if previous_timer.finished() else self.last_timings.forward_s
-            self.last_timings = StepTimings(forward_s=forward_s, num_images=num_images)
+            self.last_timings = StepTimings(forward_s=forward_s, num_images=len(encoded), prepare_s=prepare_s,
+                                            encoded_items=encoded)
             return dict(zip(plan.batch.sample_request_ids, tokens))
         logits = self.executor.logits(out, plan, self.encoder_outputs)
         sample_ids = plan.sample_request_ids
@@ -155,8 +160,9 @@ class ModelRunner:
             timer.stop()
             if self.device.type == "cuda":
                 timer.end_event.synchronize()
-        self.last_timings = StepTimings(vision_s=self._vision_timer.seconds() if num_images else 0.0,
-                                        forward_s=timer.seconds(), num_images=num_images)
+        self.last_timings = StepTimings(vision_s=self._vision_timer.seconds() if encoded else 0.0,
+                                        forward_s=timer.seconds(), num_images=len(encoded), prepare_s=prepare_s,
+                                        encoded_items=encoded)
         return sampled
 
     def _track_requests(self, out: SchedulerOutput) -> None:
@@ -189,8 +195,8 @@ class ModelRunner:
         self.generators.pop(request_id, None)
         self.positions.drop(request_id)
 
-    def _encode_images(self, out: SchedulerOutput) -> int:
-        """Encode the step's new images in one batched call; returns how many were encoded."""
+    def _encode_images(self, out: SchedulerOutput) -> tuple[MMItem, ...]:
+        """Encode the step's new images in one batched call; returns the items encoded."""
         by_id = {s.request.request_id: s.request for s in out.scheduled}
         items: list[MMItem] = []
         for rid, indices in out.encoder_inputs.items():
@@ -200,7 +206,8 @@ class ModelRunner:
                 if item.mm_hash not in self.encoder_outputs and all(x.mm_hash != item.mm_hash for x in items):
                     items.append(item)
         if not items:
-            return 0
+            return ()
+        encoded = tuple(items)
         # Compact pixels (the resized uint8 image) cross to the device as they are and are finished there.
         items = [dataclasses.replace(it, pixel_values=it.model_pixels(self.device), pixel_decoder=None)
                  if it.pixel_decoder is not None else it for it in items]
@@ -211,4 +218,4 @@ class ModelRunner:
                                    f"{item.num_tokens} placeholders")
             self.encoder_outputs[item.mm_hash] = emb
         self.num_encoded_images += len(items)
-        return len(items)
+        return encoded

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from flashvlm.request import MMItem
 
 
 @dataclass
@@ -17,6 +21,10 @@ class StepTimings:
     forward_s: float = 0.0
     """Embedding, language-model forward, logits and sampling."""
     num_images: int = 0
+    prepare_s: float = 0.0
+    """Host time choosing the execution path and building its inputs."""
+    encoded_items: tuple[MMItem, ...] = ()
+    """The images the vision tower encoded (as the request holds them: host pixels, not the device copies)."""
 
 
 class StepTimer:

@@ -45,6 +45,11 @@ def test_throughput_and_sweep(tmp_path) -> None:
     run = doc["runs"][0]
     assert run["scenario"] == "throughput" and run["summary"]["output_throughput"] > 0
     assert sum(s["num_decode_tokens"] for s in run["steps"]) == 3 * 3  # 4 tokens each, the first from prefill
+    floors = run["summary"]["floors"]  # the floor of the whole run, not per-request ones
+    assert floors["num_requests"] == 3 and floors["output_tokens"] == 12 and floors["vision_flops"] > 0
+    assert 0 < floors["achieved_throughput_fraction"] < 1 and "prefill_floor_ms" not in floors
+    assert run["summary"]["step_timeline"]["num_steps"] == len(run["steps"])
+    assert (tmp_path / "t" / "plots" / "step_timeline.png").is_file()
     configs = json.dumps([{"name": "budget-2048"}, {"name": "budget-32", "max_num_batched_tokens": 32}])
     doc = _run(["sweep", "--configs", configs, *SMALL], tmp_path / "s")
     assert [r["label"] for r in doc["runs"]] == ["budget-2048", "budget-32"]
