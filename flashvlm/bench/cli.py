@@ -8,10 +8,13 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flashvlm.bench.records import BenchRequest, ScenarioResult
 from flashvlm.extras import require_extra
+
+if TYPE_CHECKING:
+    from flashvlm.bench.baselines.vllm_baseline import VLLMBaseline
 
 
 def add_workload_args(p: argparse.ArgumentParser, with_seed: bool = True) -> None:
@@ -50,7 +53,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="also run the workload through this system and report ratios (vllm: in a subprocess, "
                         "docs/bench.md)")
     g.add_argument("--baseline-python", default=None, metavar="PATH",
-                   help="interpreter of the vllm baseline's subprocess, e.g. a venv that has vLLM (default: this one)")
+                   help="interpreter of the vllm baseline's subprocess, e.g. a venv that has vLLM "
+                        "(default: the one running flashvlm%(default).0s)")
     g.add_argument("--baseline-vllm-kwargs", default=None, metavar="JSON",
                    help='extra or replaced vllm.LLM keywords of the vllm baseline, e.g. \'{"quantization": "fp8"}\'')
     g.add_argument("--baseline-batch-size", type=int, default=8, help="static batch size of the throughput baseline")
@@ -235,7 +239,7 @@ def _run_offline(args: argparse.Namespace, scenario: str, configs: list[dict[str
     return runs
 
 
-def _vllm_baseline(args: argparse.Namespace, path: str):
+def _vllm_baseline(args: argparse.Namespace, path: str) -> VLLMBaseline:
     """The vLLM baseline, checked (model family, vLLM importing in --baseline-python) before any engine starts."""
     from flashvlm.bench.baselines.vllm_baseline import VLLMBaseline, vllm_llm_kwargs
 

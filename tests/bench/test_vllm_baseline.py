@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -115,7 +116,9 @@ class _Engine:
 
 class LLM:
     def __init__(self, **kwargs):
-        _dump(kind="init", kwargs=kwargs)
+        import sys
+
+        _dump(kind="init", kwargs=kwargs, flashvlm_imported=any(m.startswith("flashvlm") for m in sys.modules))
         if kwargs.get("fake_fail"):
             raise RuntimeError("the fake engine was told to fail")
         self.llm_engine = _Engine()
@@ -245,6 +248,7 @@ def test_latency_protocol_ships_the_same_ids_and_images(fake_vllm) -> None:
     assert result.workload["inputs"] == INPUTS_NOTE and result.config["vllm_version"] == "0.0.fake"
     (init,) = _received(fake_vllm, "init")
     assert init["kwargs"] == result.config["llm_kwargs"]
+    assert init["flashvlm_imported"] is False  # the worker runs in an environment that may lack flashvlm
 
     sent = _received(fake_vllm, "request")
     warm, measured = sent[:1], sent[1:]
@@ -292,8 +296,12 @@ def test_throughput_and_multiturn_protocols(fake_vllm) -> None:
 
 def test_a_failing_vllm_run_names_the_error(fake_vllm) -> None:
     base = VLLMBaseline(str(default_model_path()), {"fake_fail": True})
-    with pytest.raises(VLLMBaselineError, match="vLLM failed: RuntimeError: the fake engine was told to fail"):
+    with pytest.raises(VLLMBaselineError, match="vLLM failed: RuntimeError: the fake engine was told to fail") as err:
         base.run("latency", _requests()[:1], {}, tokenizer=_tokenizer())
+    kept = Path(str(err.value).split("kept in ")[1].split(")")[0])
+    assert "RuntimeError" in (kept / "worker.log").read_text()  # the traceback is in the log
+    assert (kept / "job.json").is_file() and not (kept / "images").exists()
+    shutil.rmtree(kept)
 
 
 def test_bench_throughput_with_the_vllm_baseline_end_to_end(fake_vllm, tmp_path) -> None:

@@ -47,6 +47,7 @@ WORKER_ENV_DEFAULTS = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "HF_HUB_OFFLINE": "1",  # a local checkpoint folder: nothing to fetch
+    "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     # lets the worker send vLLM's engine-core process the small function that reads peak GPU memory there
     # (vLLM refuses to pickle functions across its processes otherwise); both processes are the benchmark's own
@@ -143,6 +144,10 @@ class _Workdir:
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
 
+    def keep_log(self) -> None:
+        """After a failure: keep the job, log and error files, drop the images (a workload's worth of pixels)."""
+        shutil.rmtree(self.path / "images", ignore_errors=True)
+
 
 class VLLMBaseline:
     label = "vllm"
@@ -165,11 +170,14 @@ class VLLMBaseline:
                 proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=workdir.path,
                                       timeout=self.timeout_s, check=False)
         except FileNotFoundError:
+            workdir.remove()
             raise VLLMBaselineError(f"--baseline vllm: the interpreter {self.python!r} does not exist; "
                                     "give --baseline-python the python of an environment with vLLM") from None
         except PermissionError:
+            workdir.remove()
             raise VLLMBaselineError(f"--baseline vllm: {self.python!r} cannot be executed") from None
         except subprocess.TimeoutExpired:
+            workdir.keep_log()
             raise VLLMBaselineError(f"--baseline vllm: the vLLM worker ran past {self.timeout_s} s; its output is "
                                     f"in {workdir.log}") from None
         if proc.returncode == 0:
@@ -183,6 +191,7 @@ class VLLMBaseline:
         cause = (f"vLLM failed: {error['error']}" if error is not None else
                  f"the vLLM worker exited with status {proc.returncode} before writing its result")
         tail = workdir.log_tail()
+        workdir.keep_log()
         raise VLLMBaselineError(f"--baseline vllm: {cause} (files and full log kept in {workdir.path})"
                                 + (f"; the log ends:\n{tail}" if tail else ""))
 
@@ -216,6 +225,8 @@ class VLLMBaseline:
         job = {"scenario": scenario, "warmup": warmup, "llm_kwargs": llm_kwargs,
                "requests": write_requests(workdir.path, requests, tokenizer, scenario == "multiturn")}
         (workdir.path / "job.json").write_text(json.dumps(job))
+        print(f"vllm baseline: {len(requests)} {scenario} requests through vLLM in {self.python} "
+              f"(start-up takes a minute or two; log: {workdir.log})", file=sys.stderr, flush=True)
         self._run_worker(workdir)
         out = workdir.read("result.json")
         if out is None:

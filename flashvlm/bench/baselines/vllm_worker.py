@@ -50,6 +50,16 @@ def _load_image(spec: str, workdir: Path, mirrored: bool = False) -> Any:
     return image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if mirrored else image
 
 
+def _load_all(requests: list[dict[str, Any]], workdir: Path) -> list[list[Any]]:
+    """Every request's images, each file loaded once (a repeated image is one file)."""
+    loaded: dict[str, Any] = {}
+    for req in requests:
+        for spec in req["images"]:
+            if spec not in loaded:
+                loaded[spec] = _load_image(spec, workdir)
+    return [[loaded[spec] for spec in req["images"]] for req in requests]
+
+
 def _prompt(token_ids: list[int], images: list[Any]) -> dict[str, Any]:
     prompt: dict[str, Any] = {"prompt_token_ids": list(token_ids)}
     if images:
@@ -186,7 +196,7 @@ def run_job(job: dict[str, Any], workdir: Path, vllm: Any) -> dict[str, Any]:
         images = [_load_image(s, workdir, mirrored=True) for s in req["images"]]
         llm.generate([_prompt(req["prompt_token_ids"], images)], params(2), use_tqdm=False)
 
-    images = [[_load_image(s, workdir) for s in req["images"]] for req in requests]
+    images = _load_all(requests, workdir)
     scenario = job["scenario"]
     _on_workers(llm, _reset_peak_rpc)
     if scenario == "throughput":
@@ -240,6 +250,8 @@ def main(argv: list[str]) -> int:
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     try:
         import vllm
+
+        vllm.LLM, vllm.SamplingParams  # noqa: B018 - vLLM imports these lazily: "imports" must cover them
     except Exception as e:  # noqa: BLE001 - any failure to import is what the parent must report
         _write_json(workdir / "error.json", {"stage": "import", "error": f"{type(e).__name__}: {e}",
                                              "python": sys.executable})
@@ -251,6 +263,7 @@ def main(argv: list[str]) -> int:
     try:
         result = run_job(json.loads((workdir / "job.json").read_text()), workdir, vllm)
     except Exception as e:  # noqa: BLE001
+        traceback.print_exc()  # into the log the parent keeps
         _write_json(workdir / "error.json", {"stage": "run", "error": f"{type(e).__name__}: {e}",
                                              "traceback": traceback.format_exc()})
         return EXIT_RUN
