@@ -135,7 +135,8 @@ class LLM:
         return [done[str(i)] for i in range(len(prompts))]
 
     def collective_rpc(self, fn):
-        return [fn(None)]
+        # the engine-core worker's answer; the real function reads torch.cuda there
+        return [123456789 if fn.__name__ == "_peak_memory_rpc" else None]
 '''
 
 BROKEN_VLLM = 'raise ImportError("this vllm is broken on purpose")\n'
@@ -263,7 +264,7 @@ def test_latency_protocol_ships_the_same_ids_and_images(fake_vllm) -> None:
         assert rec.output_tokens == req.max_tokens and len(rec.itl) == req.max_tokens - 1
         assert rec.prompt_tokens == len(got["prompt_token_ids"]) + 4 * len(req.images)  # vLLM's expanded count
         assert 0 < rec.ttft <= rec.e2e and set(rec.stages) == {"queue", "prefill", "decode"}
-    assert result.duration_s > 0
+    assert result.duration_s > 0 and result.peak_memory_bytes == 123456789
     one_image = sum(len(r.images) == 1 for r in requests)
     assert result.config["prompt_tokens_vs_reference"] == {"reference": "flashvlm", "compared": 3, "equal": one_image}
 
@@ -304,6 +305,7 @@ def test_a_failing_vllm_run_names_the_error(fake_vllm) -> None:
     shutil.rmtree(kept)
 
 
+@pytest.mark.slow
 def test_bench_throughput_with_the_vllm_baseline_end_to_end(fake_vllm, tmp_path) -> None:
     out = tmp_path / "out"
     args = ["bench", "throughput", "--num-requests", "3", "--image-size", "112x84", "--text-tokens", "8-16",
@@ -321,3 +323,22 @@ def test_bench_throughput_with_the_vllm_baseline_end_to_end(fake_vllm, tmp_path)
     assert "vllm" in (out / "report.md").read_text()
     assert vllm_run["config"]["prompt_tokens_vs_reference"]["compared"] == 3
     assert np.isfinite(vllm_run["summary"]["ttft_ms"]["p50"])
+
+
+def test_images_cross_as_files_once_each(tmp_path) -> None:
+    from PIL import Image
+
+    from flashvlm.bench.baselines.vllm_baseline import write_requests
+
+    rng = np.random.default_rng(0)
+    shared = rng.integers(0, 256, (6, 9, 3), dtype=np.uint8)
+    on_disk = tmp_path / "pic.png"
+    Image.fromarray(rng.integers(0, 256, (5, 7, 3), dtype=np.uint8)).save(on_disk)
+    reqs = [BenchRequest("a", "x", [shared], 2, prompt_token_ids=[5, 6]),
+            BenchRequest("b", "y", [shared, str(on_disk)], 3, prompt_token_ids=[7])]
+    (tmp_path / "w").mkdir()
+    rows = write_requests(tmp_path / "w", reqs, tokenizer=None)
+    assert rows[0]["images"] == rows[1]["images"][:1]  # one file for the repeated picture
+    assert rows[1]["images"][1] == str(on_disk.resolve())
+    assert np.array_equal(np.load(tmp_path / "w" / rows[0]["images"][0]), shared)
+    assert [r["prompt_token_ids"] for r in rows] == [[5, 6], [7]] and "follow_up_token_ids" not in rows[0]
