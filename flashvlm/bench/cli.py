@@ -243,7 +243,7 @@ def _vllm_baseline(args: argparse.Namespace, path: str) -> VLLMBaseline:
     """The vLLM baseline, checked (model family, vLLM importing in --baseline-python) before any engine starts."""
     from flashvlm.bench.baselines.vllm_baseline import VLLMBaseline, vllm_llm_kwargs
 
-    base = VLLMBaseline(path, vllm_llm_kwargs(args, path), python=args.baseline_python)
+    base = VLLMBaseline(path, vllm_llm_kwargs(args, path), python=args.baseline_python, device=args.device)
     version = base.check()
     print(f"vllm baseline: vLLM {version} imports in {base.python}", file=sys.stderr)
     return base

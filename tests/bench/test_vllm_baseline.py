@@ -20,6 +20,7 @@ from flashvlm.bench.baselines.vllm_baseline import (
     VLLMBaselineError,
     check_architecture,
     vllm_llm_kwargs,
+    worker_env,
 )
 from flashvlm.bench.records import BenchRequest, RequestRecord, ScenarioResult
 from flashvlm.bench.report import load_results
@@ -342,3 +343,12 @@ def test_images_cross_as_files_once_each(tmp_path) -> None:
     assert rows[1]["images"][1] == str(on_disk.resolve())
     assert np.array_equal(np.load(tmp_path / "w" / rows[0]["images"][0]), shared)
     assert [r["prompt_token_ids"] for r in rows] == [[5, 6], [7]] and "follow_up_token_ids" not in rows[0]
+
+
+def test_worker_environment_defaults_and_device() -> None:
+    env = worker_env({"VLLM_USE_FLASHINFER_SAMPLER": "1", "PYTHONPATH": "/site"}, device="cuda:1")
+    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "1" and env["PYTHONPATH"] == "/site"  # the user's values stay
+    assert env["HF_HUB_OFFLINE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert worker_env({}, device="auto")["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert worker_env({"CUDA_VISIBLE_DEVICES": "4,6"}, device="cuda:1")["CUDA_VISIBLE_DEVICES"] == "6"
+    assert "CUDA_VISIBLE_DEVICES" not in worker_env({}, device="cuda")

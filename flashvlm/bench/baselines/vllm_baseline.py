@@ -109,12 +109,17 @@ def parse_extra_kwargs(text: str | None) -> dict[str, Any]:
     return extra
 
 
-def worker_env(base: dict[str, str] | None = None) -> dict[str, str]:
+def worker_env(base: dict[str, str] | None = None, device: str = "auto") -> dict[str, str]:
     """The subprocess's environment: ours (PYTHONPATH included), plus WORKER_ENV_DEFAULTS where unset. The
-    worker imports nothing of flashvlm, so it needs no path to our package."""
+    worker imports nothing of flashvlm, so it needs no path to our package. vLLM takes no device index: our
+    `--device cuda:N` becomes the one GPU the subprocess sees."""
     env = dict(os.environ if base is None else base)
     for key, value in WORKER_ENV_DEFAULTS.items():
         env.setdefault(key, value)
+    kind, _, index = device.partition(":")
+    if kind == "cuda" and index.isdigit():
+        visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = visible[int(index)] if int(index) < len(visible) else index
     return env
 
 
@@ -153,12 +158,12 @@ class VLLMBaseline:
     label = "vllm"
 
     def __init__(self, model_path: str, llm_kwargs: dict[str, Any], python: str | None = None,
-                 env: dict[str, str] | None = None, timeout_s: float | None = None) -> None:
+                 env: dict[str, str] | None = None, device: str = "auto", timeout_s: float | None = None) -> None:
         self.model_path = model_path
         self.architecture = check_architecture(model_path)
         self.python = python or sys.executable
         self.llm_kwargs = dict(llm_kwargs)
-        self.env = worker_env(env)
+        self.env = worker_env(env, device)
         self.timeout_s = timeout_s
         self.vllm_version: str | None = None
 
