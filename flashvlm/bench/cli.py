@@ -8,10 +8,13 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flashvlm.bench.records import BenchRequest, ScenarioResult
 from flashvlm.extras import require_extra
+
+if TYPE_CHECKING:
+    from flashvlm.bench.baselines.vllm_baseline import VLLMBaseline
 
 
 def add_workload_args(p: argparse.ArgumentParser, with_seed: bool = True) -> None:
@@ -46,8 +49,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("benchmark model and baseline")
     g.add_argument("--benchmark-model", default=None, choices=["qwen2-vl-7b"],
                    help="a real-size config with random weights (implies --load-format dummy)")
-    g.add_argument("--baseline", default=None, choices=["transformers"],
-                   help="also run the workload through this system and report ratios")
+    g.add_argument("--baseline", default=None, choices=["transformers", "vllm"],
+                   help="also run the workload through this system and report ratios (vllm: in a subprocess, "
+                        "docs/bench.md)")
+    g.add_argument("--baseline-python", default=None, metavar="PATH",
+                   help="interpreter of the vllm baseline's subprocess, e.g. a venv that has vLLM "
+                        "(default: the one running flashvlm%(default).0s)")
+    g.add_argument("--baseline-vllm-kwargs", default=None, metavar="JSON",
+                   help='extra or replaced vllm.LLM keywords of the vllm baseline, e.g. \'{"quantization": "fp8"}\'')
     g.add_argument("--baseline-batch-size", type=int, default=8, help="static batch size of the throughput baseline")
     g.add_argument("--warmup", type=int, default=1, help="warm-up requests (not measured)")
     g.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 peak for the prefill floor (H200: ~790)")
@@ -207,6 +216,7 @@ def _run_offline(args: argparse.Namespace, scenario: str, configs: list[dict[str
     from flashvlm.options import engine_config_from_args
 
     path = _model_path(args)
+    vllm_base = _vllm_baseline(args, path) if getattr(args, "baseline", None) == "vllm" else None
     runs: list[ScenarioResult] = []
     requests: list[BenchRequest] = []
     workload: dict[str, Any] = {}
@@ -229,7 +239,20 @@ def _run_offline(args: argparse.Namespace, scenario: str, configs: list[dict[str
         _free_device_memory()
     if getattr(args, "baseline", None) == "transformers":
         runs.insert(0, _run_transformers(args, path, scenario, requests, workload, floors))
+    elif vllm_base is not None:
+        result = vllm_base.run(scenario, requests, workload, warmup=args.warmup, reference=runs[0])
+        runs.insert(0, _finish(result, args, floors, requests))  # the baseline row of ratio tables
     return runs
+
+
+def _vllm_baseline(args: argparse.Namespace, path: str) -> VLLMBaseline:
+    """The vLLM baseline, checked (model family, vLLM importing in --baseline-python) before any engine starts."""
+    from flashvlm.bench.baselines.vllm_baseline import VLLMBaseline, vllm_llm_kwargs
+
+    base = VLLMBaseline(path, vllm_llm_kwargs(args, path), python=args.baseline_python, device=args.device)
+    version = base.check()
+    print(f"vllm baseline: vLLM {version} imports in {base.python}", file=sys.stderr)
+    return base
 
 
 def _run_transformers(args: argparse.Namespace, path: str, scenario: str, requests: list[BenchRequest],

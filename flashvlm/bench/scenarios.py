@@ -175,20 +175,28 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], workload: dict, label
     return run.result("throughput", label, workload)
 
 
+FOLLOW_UP_WORDS = ("what", "about", "the", "shape", "left", "colour", "now")
+
+
+def follow_up_texts(num_requests: int) -> list[str]:
+    """The follow-up question of each request of a multiturn run, seeded by the workload's size; the baselines
+    ask the same ones."""
+    rng = np.random.default_rng(num_requests)
+    return [" ".join(rng.choice(FOLLOW_UP_WORDS, size=8)) for _ in range(num_requests)]
+
+
 def run_multiturn(llm: LLM, requests: list[BenchRequest], workload: dict, label: str = "flashvlm",
                   progress: ProgressFn | None = None) -> ScenarioResult:
     """Each request, then a follow-up turn of the same conversation (its prompt, its answer and a new question,
     same images), one at a time. Records come in pairs: `<id>/turn1`, `<id>/turn2`; the follow-up's TTFT shows
     what prefix caching saves when a user asks again about the same picture."""
     tokenizer = llm.get_tokenizer()
-    rng = np.random.default_rng(len(requests))
     with _Run(llm) as run:
-        for req in requests:
+        for req, question in zip(requests, follow_up_texts(len(requests))):
             first = _run_one(llm, run, req, f"{req.request_id}/turn1")
             if first is not None:
-                words = " ".join(rng.choice(["what", "about", "the", "shape", "left", "colour", "now"], size=8))
                 follow = list(first.prompt_token_ids) + list(first.token_ids) + tokenizer.encode(
-                    " " + words, add_special_tokens=False)
+                    " " + question, add_special_tokens=False)
                 turn2 = BenchRequest(f"{req.request_id}/turn2", "", req.images, req.max_tokens,
                                      prompt_token_ids=follow)
                 _run_one(llm, run, turn2, turn2.request_id)
