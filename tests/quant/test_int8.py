@@ -179,3 +179,21 @@ def test_leaves_other_formats_to_other_methods():
     mixed["config_groups"]["group_1"] = {"targets": ["re:.*down_proj"], "weights": {"num_bits": 4, "type": "int"}}
     with pytest.raises(QuantFormatError, match="several schemes"):
         METHOD.scheme_from_checkpoint(mixed)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._int_mm's CUDA path and the compiled GEMV")
+@pytest.mark.parametrize("gemv_rows", [16, 0], ids=["gemv", "int_mm-only"])
+def test_cuda_paths_match_the_reference(gemv_rows):
+    """bf16 on CUDA: the GEMV (<= 16 rows), torch._int_mm (rows padded to 17 below that) and the torch backend
+    against the reference of the same layer; one bf16 rounding of the output, rare one-step activation flips."""
+    layer = METHOD.quantize(_float_layer(256, [64, 32, 32], bias=True, seed=4), Int8Scheme()).cuda()
+    layer.bias.data = layer.bias.data.bfloat16()
+    layer.gemv_max_rows = gemv_rows
+    for rows in (1, 5, 16, 17, 40):
+        x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+        expected = _expected(layer, x.float())
+        for kernels in (True, False):
+            layer.use_triton_kernels = kernels
+            out = layer(x)
+            assert out.dtype == torch.bfloat16
+            torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
