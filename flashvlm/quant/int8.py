@@ -21,6 +21,8 @@ from flashvlm.kernels.int8_torch import int_mm_applies, int_mm_w8a8, quantize_we
 from flashvlm.quant.base import QuantFormatError, QuantizedLinear, QuantMethod, frozen, out_sizes_of
 from flashvlm.quant.compressed_int8 import scheme_from_compressed_tensors
 
+_SYMMETRIC_ZERO_POINTS = ("weight_zero_point", "input_zero_point")
+
 
 @dataclass(frozen=True)
 class Int8Scheme:
@@ -58,6 +60,13 @@ class Int8Linear(QuantizedLinear):
                              persistent=False)
 
     def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
+        if param_name in _SYMMETRIC_ZERO_POINTS:
+            # Older compressed-tensors releases saved the zero points of symmetric schemes, all zeros; anything
+            # else would be an asymmetric checkpoint mislabelled symmetric.
+            if tensor.any():
+                raise QuantFormatError(f"{param_name} of shard {shard} is non-zero in a checkpoint declared "
+                                       "symmetric")
+            return
         if param_name == "input_scale" and self.input_scale is not None:
             if tensor.numel() != 1:
                 raise QuantFormatError(f"input_scale of shard {shard} has {tensor.numel()} values; static int8 "

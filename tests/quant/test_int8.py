@@ -111,6 +111,9 @@ def test_merged_checkpoint_shards_load_in_place():
     torch.testing.assert_close(layer(x).double(), _expected(layer, x, torch.tensor(0.05)), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="expected"):
         layer.load_shard("weight", 1, torch.zeros(16, 32, dtype=torch.int8))
+    layer.load_shard("weight_zero_point", 1, torch.zeros(8, 1, dtype=torch.int8))  # symmetric: zeros, ignored
+    with pytest.raises(QuantFormatError, match="non-zero"):
+        layer.load_shard("weight_zero_point", 1, torch.ones(8, 1, dtype=torch.int8))
     with pytest.raises(QuantFormatError, match="one per-tensor scale"):
         layer.load_shard("input_scale", 0, torch.ones(2))
     layer.input_scale.data[:] = 0
