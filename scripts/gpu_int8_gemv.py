@@ -30,7 +30,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from flashvlm.kernels.gemv import gemv_triton  # noqa: E402
-from flashvlm.kernels.int8_gemv import Int8GemvConfig, int8_gemv_config, quantize_rows, w8a8_gemv  # noqa: E402
+from flashvlm.kernels.int8_gemv import (  # noqa: E402
+    Int8GemvConfig,
+    dequantize_product_triton,
+    int8_gemv_config,
+    quantize_rows,
+    w8a8_gemv,
+)
 from flashvlm.kernels.int8_torch import int_mm_w8a8, quantize_weight_per_channel, w8a8_reference  # noqa: E402
 
 OUT = os.environ.get("OUT") or tempfile.mkdtemp()
@@ -80,7 +86,8 @@ def bench_shape(name: str, n: int, k: int, has_bias: bool, rows_list: list[int],
         variants: dict[str, Callable[[int], torch.Tensor]] = {
             "int8 gemv, quantize fused": lambda i, x=x: w8a8_gemv(x, ws[i], scales[i], bias, locks=locks),
             "int8 gemv after quantize_rows": two_kernels,
-            "int8 _int_mm": lambda i, x=x: int_mm_w8a8(x, ws[i], scales[i], bias, quantize=quantize_rows),
+            "int8 _int_mm": lambda i, x=x: int_mm_w8a8(x, ws[i], scales[i], bias, quantize=quantize_rows,
+                                                        epilogue=dequantize_product_triton),
         }
         if grid:
             for cfg in GRID:

@@ -17,6 +17,7 @@ _INT_MM_MIN_ROWS = 17
 """CUDA's _int_mm takes more than 16 rows."""
 
 Quantizer = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+Epilogue = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.dtype], torch.Tensor]
 
 
 def check_w8a8_operands(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> tuple[int, int, int]:
@@ -68,17 +69,18 @@ def int_mm_applies(n: int, k: int) -> bool:
 
 
 def int_mm_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                *, x_scale: torch.Tensor | None = None,
-                quantize: Quantizer = quantize_rows_reference) -> torch.Tensor:
+                *, x_scale: torch.Tensor | None = None, quantize: Quantizer = quantize_rows_reference,
+                epilogue: Epilogue | None = None) -> torch.Tensor:
     """The many-row path: quantize x (`quantize`: the Triton `quantize_rows` or the torch reference), then
-    `torch._int_mm` (int32 out) and the epilogue in torch. On CUDA fewer than 17 rows are padded with zero rows;
-    K and N must be multiples of 8 (`int_mm_applies`)."""
+    `torch._int_mm` (int32 out), then `epilogue` (the Triton `dequantize_product_triton`, or by default
+    `dequantize_product` in torch). On CUDA fewer than 17 rows are padded with zero rows; K and N must be
+    multiples of 8 (`int_mm_applies`)."""
     m, n, k = check_w8a8_operands(x, weight, weight_scale)
     xq, scale = quantize(x, x_scale)
     if x.is_cuda and m < _INT_MM_MIN_ROWS:
         xq = torch.cat([xq, xq.new_zeros(_INT_MM_MIN_ROWS - m, k)])
     acc = torch._int_mm(xq, weight.t())[:m]
-    return dequantize_product(acc, scale, weight_scale, bias, x.dtype)
+    return (epilogue or dequantize_product)(acc, scale, weight_scale, bias, x.dtype)
 
 
 def w8a8_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

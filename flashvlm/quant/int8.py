@@ -99,11 +99,13 @@ class Int8Linear(QuantizedLinear):
 
             out = w8a8_gemv(x2, self.weight, w_scale, self.bias, x_scale=self.x_scale, locks=self.gemv_locks)
         elif m > 0 and x2.is_cuda and int_mm_applies(n, self.in_features):
-            quantize = None
             if kernels:
-                from flashvlm.kernels.int8_gemv import quantize_rows as quantize
-            out = int_mm_w8a8(x2, self.weight, w_scale, self.bias, x_scale=self.x_scale,
-                              **({"quantize": quantize} if quantize else {}))
+                from flashvlm.kernels.int8_gemv import dequantize_product_triton, quantize_rows
+
+                out = int_mm_w8a8(x2, self.weight, w_scale, self.bias, x_scale=self.x_scale, quantize=quantize_rows,
+                                  epilogue=dequantize_product_triton)
+            else:
+                out = int_mm_w8a8(x2, self.weight, w_scale, self.bias, x_scale=self.x_scale)
         else:
             out = w8a8_reference(x2, self.weight, w_scale, self.bias, x_scale=self.x_scale)
         return out.reshape(*lead, n)

@@ -22,12 +22,18 @@ from flashvlm.kernels import dispatch  # noqa: E402
 from flashvlm.kernels import int8_gemv as kmod  # noqa: E402
 from flashvlm.kernels.int8_gemv import (  # noqa: E402
     Int8GemvConfig,
+    dequantize_product_triton,
     int8_gemv_config,
     int8_gemv_lock_count,
     quantize_rows,
     w8a8_gemv,
 )
-from flashvlm.kernels.int8_torch import int_mm_w8a8, quantize_rows_reference, w8a8_reference  # noqa: E402
+from flashvlm.kernels.int8_torch import (  # noqa: E402
+    dequantize_product,
+    int_mm_w8a8,
+    quantize_rows_reference,
+    w8a8_reference,
+)
 
 INTERPRETED = type(kmod._w8a8_gemv_kernel).__name__ == "InterpretedFunction"
 _CPU_OK = INTERPRETED and dispatch.interpreter_active()
@@ -100,11 +106,29 @@ def test_prequantized_rows_and_quantize_kernel(device, dtype):
         assert (q.int() - q_ref.int()).abs().max() <= 1 and torch.equal(s, s_ref)
     fused = w8a8_gemv(x, w, scale, bias)
     assert torch.equal(w8a8_gemv(q, w, scale, bias, x_scale=s, out_dtype=dtype), fused)
-    _assert_matches(int_mm_w8a8(x, w, scale, bias, quantize=quantize_rows), w8a8_reference(x, w, scale, bias), dtype)
+    _assert_matches(int_mm_w8a8(x, w, scale, bias, quantize=quantize_rows, epilogue=dequantize_product_triton),
+                    w8a8_reference(x, w, scale, bias), dtype)
     static = torch.tensor([0.02], device=device)
     q, s = quantize_rows(x, static)
     assert torch.equal(s, torch.full((5,), 0.02, device=device))
     assert (q.int() - quantize_rows_reference(x, static)[0].int()).abs().max() <= (0 if dtype == torch.float32 else 1)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("rows,n", [(1, 40), (20, 300)])
+def test_dequantize_epilogue(device, dtype, rows, n):
+    g = torch.Generator().manual_seed(rows + n)
+    acc = torch.randint(-(2**30), 2**30, (rows, n), generator=g, dtype=torch.int32).to(device)
+    x_scale, w_scale = (torch.rand(rows, generator=g) * 1e-6).to(device), (torch.rand(n, generator=g) * 1e-2).to(device)
+    bias = torch.randn(n, generator=g).to(device, dtype)
+    for b in (None, bias):
+        out = dequantize_product_triton(acc, x_scale, w_scale, b, dtype)
+        expected = dequantize_product(acc, x_scale, w_scale, b, dtype)
+        assert out.dtype == dtype
+        if dtype == torch.float32:
+            assert torch.equal(out, expected)
+        else:  # the GPU may fuse the bias add into a multiply-add: at most one bf16 rounding apart
+            torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.skipif(not _CPU_OK, reason="needs TRITON_INTERPRET=1")
