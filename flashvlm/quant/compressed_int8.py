@@ -34,10 +34,21 @@ def _refuse(what: str) -> QuantFormatError:
                             "token or static per tensor (docs/quantization.md)")
 
 
+def _strategy(args: dict[str, Any]) -> str | None:
+    """The strategy as compressed-tensors infers it when unset: from group_size (none: tensor, -1: channel)."""
+    strategy = args.get("strategy")
+    if strategy is not None:
+        return strategy
+    group_size = args.get("group_size")
+    if group_size is None:
+        return "tensor"
+    return "channel" if group_size == -1 else "group"
+
+
 def _check_weights(weights: dict[str, Any]) -> None:
     if not weights.get("symmetric", True):
         raise _refuse("asymmetric weights (weight_zero_point)")
-    strategy = weights.get("strategy")
+    strategy = _strategy(weights)
     if strategy != "channel":
         raise _refuse(f"{strategy!r} weight scales (group_size={weights.get('group_size')}), not 'channel'")
     if weights.get("dynamic"):
@@ -51,7 +62,7 @@ def _activations_static(acts: dict[str, Any] | None) -> bool:
         raise _refuse(f"{acts.get('num_bits')}-bit {acts.get('type')} input activations")
     if not acts.get("symmetric", True):
         raise _refuse("asymmetric input activations (input_zero_point)")
-    strategy, dynamic = acts.get("strategy"), acts.get("dynamic")
+    strategy, dynamic = _strategy(acts), acts.get("dynamic", False)
     if dynamic is True and strategy == "token":
         return False
     if dynamic is False and strategy == "tensor":

@@ -137,6 +137,12 @@ def test_reads_llm_compressor_configs():
     naive["format"] = "naive-quantized"
     del naive["config_groups"]["group_0"]["format"]
     assert METHOD.scheme_from_checkpoint(naive) == Int8Scheme()
+    inferred = int8_quantization_config()  # strategies left out: compressed-tensors infers them from group_size
+    inferred["config_groups"]["group_0"]["weights"].update(strategy=None, group_size=-1)
+    assert METHOD.scheme_from_checkpoint(inferred) == Int8Scheme()
+    inferred["config_groups"]["group_0"]["weights"].update(group_size=None)
+    with pytest.raises(QuantFormatError, match="'tensor' weight scales"):
+        METHOD.scheme_from_checkpoint(inferred)
 
 
 def _edited(path: str, value, static: bool = False) -> dict:
