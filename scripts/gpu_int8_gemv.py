@@ -104,7 +104,8 @@ def bench_shape(name: str, n: int, k: int, has_bias: bool, rows_list: list[int],
     return results
 
 
-def _measure(name, rows, label, fn, copies, ref, ref_scale, weight_bytes, locks) -> dict:
+def _measure(name: str, rows: int, label: str, fn: Callable[[int], torch.Tensor], copies: int,
+             ref: torch.Tensor | None, ref_scale: float, weight_bytes: int, locks: torch.Tensor) -> dict:
     row = {"shape": name, "rows": rows, "variant": label}
     try:
         if ref is not None:
