@@ -195,12 +195,13 @@ def dequantize_product_triton(acc: torch.Tensor, x_scale: torch.Tensor, weight_s
 
 
 def int8_gemv_config(n: int, k: int) -> Int8GemvConfig:
-    """Tiles of the bf16 GEMV's measured choice with int8 weights (64 columns x 256 bytes per stage; wide
-    matrices 3 stages, narrow ones with fewer than 64 column blocks split K in two). Not yet measured for int8:
-    scripts/gpu_int8_gemv.py times a grid around it."""
+    """The bf16 GEMV's measured tiles (kernels/gemv.py: gemv_config) with the same bytes per pipeline stage, so
+    the same bytes in flight: twice the K elements at one byte each. Wide matrices (gate/up) 64 x 256 with 3
+    stages; narrow ones 64 x 512 with 4, K split in two when there are fewer than 64 column blocks. Not yet
+    measured for int8: scripts/gpu_int8_gemv.py times a grid around it."""
     if n >= 16384:
         return Int8GemvConfig(64, 256, 1, 4, 3)
-    return Int8GemvConfig(64, 256, 2 if triton.cdiv(n, 64) < 64 and k >= 1024 else 1, 4, 4)
+    return Int8GemvConfig(64, 512, 2 if triton.cdiv(n, 64) < 64 and k >= 1024 else 1, 4, 4)
 
 
 def int8_gemv_lock_count(n: int, config: Int8GemvConfig) -> int:
