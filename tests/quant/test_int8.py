@@ -206,3 +206,18 @@ def test_cuda_paths_match_the_reference(gemv_rows):
             out = layer(x)
             assert out.dtype == torch.bfloat16
             torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+def test_cpu_path_never_imports_triton():
+    """The method, its layer and the torch references import no Triton: CPU processes never pay for it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    code = ("import sys, torch, flashvlm.quant.int8 as m; layer = m.Int8Method().quantize("
+            "torch.nn.Linear(16, 8), m.Int8Scheme()); layer(torch.randn(2, 16)); print('triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "False"
