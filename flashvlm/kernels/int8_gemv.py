@@ -1,0 +1,267 @@
+"""INT8 W8A8 products: y (M, N) = dequant(quant(x) (M, K) @ W_q (N, K)^T) (+ bias), in x's dtype.
+
+Weights are int8 with one float32 scale per output channel (s_w, (N,)). Activations are quantized per token:
+s_x[m] = amax(|x[m]|) / 127 and x_q = round_half_even(x / s_x) clamped to [-127, 127] (dynamic), or with one
+per-tensor scale from the checkpoint (static). The product of the integers is summed in int32, which is exact:
+|x_q * w_q| <= 127 * 128, so K up to 131,072 cannot overflow, and an integer sum does not depend on its order,
+so split-K partials add to the same answer however the programs finish. (float32 accumulation would round once
+the sums pass 2^24, which Qwen2-7B's K of 18,944 can reach.) The epilogue is acc * s_x[m] * s_w[n] (+ bias).
+
+Decode rows (M <= 16) take `w8a8_gemv`: the bf16 GEMV's layout (kernels/gemv.py: BLOCK_N columns for all rows
+padded to 16, W streamed once through a `tl.dot` loop, split-K with an arrival counter for narrow matrices) with
+int8 weights, half the bytes, and x quantized inside the kernel: each program first reads its rows of x to find
+their amax (x is small and stays in L2), then quantizes each x block in registers before its dot. Larger M takes
+`torch._int_mm` (cuBLAS int8, int32 out; CUDA needs M > 16 and K, N multiples of 8) between `quantize_rows`
+and the one-pass epilogue `dequantize_product_triton` (kernels/int8_torch.py: int_mm_w8a8).
+
+Rounding is round-half-to-even written with floor (`_round_half_even`): libdevice's rint does not run in Triton's
+interpreter, and the floor form is exact for the magnitudes involved. Divisions use `div_rn` (IEEE), so the
+quantized activations match torch's `x / s` bit for bit. References (kernels/int8_torch.py, no Triton):
+`w8a8_reference` (float64 products of the integers: exact, on any device) and `quantize_rows_reference`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from flashvlm.kernels.int8_torch import check_w8a8_operands
+
+__all__ = ["Int8GemvConfig", "dequantize_product_triton", "int8_gemv_config", "int8_gemv_lock_count",
+           "quantize_rows", "w8a8_gemv"]
+
+_ROWS = 16
+_EPILOGUE_M, _EPILOGUE_N = 16, 256
+_QUANT_BLOCK = 1024
+
+# How x reaches the kernel: float rows quantized per token, float rows with one static scale, or rows already
+# quantized (int8 with their per-row scales, from quantize_rows).
+X_DYNAMIC, X_STATIC, X_QUANTIZED = 0, 1, 2
+
+
+class Int8GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit
+def _round_half_even(v):
+    f = tl.floor(v)
+    d = v - f  # exact: |v| is at most a few hundred here
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+
+
+@triton.jit
+def _quantize_block(xv, scale):
+    """float32 block / its rows' scales (ROWS, 1) -> int8 in [-127, 127]."""
+    q = _round_half_even(tl.math.div_rn(xv, scale))
+    return tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8)
+
+
+@triton.jit
+def _row_scales(x_rows, xs_ptr, row_ok, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, X_MODE: tl.constexpr):
+    """(ROWS,) float32 activation scales; rows whose scale is 0 (all-zero or padding rows) get 1, so their
+    quantized values are 0 and nothing divides by zero."""
+    if X_MODE == 0:
+        amax = tl.zeros((ROWS,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(xv.to(tl.float32)), axis=1))
+        scale = tl.math.div_rn(amax, tl.full((ROWS,), 127.0, tl.float32))
+    elif X_MODE == 1:
+        scale = tl.zeros((ROWS,), dtype=tl.float32) + tl.load(xs_ptr).to(tl.float32)
+    else:
+        scale = tl.load(xs_ptr + tl.arange(0, ROWS), mask=row_ok, other=0.0).to(tl.float32)
+    return scale
+
+
+@triton.jit
+def _w8a8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, k_per_split,
+                      num_splits, x_stride, w_stride, out_stride,
+                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, X_MODE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < M
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * w_stride
+    x_rows = x_ptr + rows[:, None] * x_stride
+    x_scale = _row_scales(x_rows, xs_ptr, row_ok, K, ROWS, BLOCK_K, X_MODE)
+    safe_scale = tl.where(x_scale > 0.0, x_scale, 1.0)[:, None]
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.int32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = (ks < k_end)[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok, other=0)
+        xv = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok, other=0)
+        if X_MODE == 2:
+            xq = xv
+        else:
+            xq = _quantize_block(xv.to(tl.float32), safe_scale)
+        acc = tl.dot(xq, tl.trans(w), acc)
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    ty = out_ptr.dtype.element_ty
+    w_scale = tl.load(ws_ptr + cols, mask=col_ok, other=0.0)
+    if SPLIT:
+        parts = part_ptr + rows[:, None] * N + cols[None, :]  # workspace (num_splits, ROWS, N), int32
+        tl.store(parts + pid_k * ROWS * N, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is published
+        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:  # the last program of this column block adds the (exact) partials
+            acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.int32)
+            for s in range(num_splits):
+                acc += tl.load(parts + s * ROWS * N, mask=out_mask, other=0, cache_modifier=".cg")
+            y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
+            if HAS_BIAS:
+                y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], y.to(ty), mask=out_mask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next call
+    else:
+        y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], y.to(ty), mask=out_mask)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, K, x_stride, q_stride, BLOCK: tl.constexpr,
+                          STATIC: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_stride
+    offs = tl.arange(0, BLOCK)
+    # The scale is kept as a vector of BLOCK equal values: div_rn takes tensors of one shape.
+    if STATIC:
+        scale = tl.zeros((BLOCK,), dtype=tl.float32) + tl.load(xs_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            ks = k0 + offs
+            amax = tl.maximum(amax, tl.abs(tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)))
+        scale = tl.math.div_rn(tl.zeros((BLOCK,), dtype=tl.float32) + tl.max(amax, axis=0),
+                               tl.full((BLOCK,), 127.0, tl.float32))
+    safe = tl.where(scale > 0.0, scale, 1.0)
+    for k0 in range(0, K, BLOCK):
+        ks = k0 + offs
+        xv = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+        q = _round_half_even(tl.math.div_rn(xv, safe))
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8)
+        tl.store(q_ptr + row * q_stride + ks, q, mask=ks < K)
+    tl.store(s_ptr + row + offs * 0, scale, mask=offs == 0)
+
+
+@triton.jit
+def _dequantize_kernel(acc_ptr, xs_ptr, ws_ptr, b_ptr, out_ptr, M, N, acc_stride, out_stride,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    mask = row_ok[:, None] & col_ok[None, :]
+    acc = tl.load(acc_ptr + rows.to(tl.int64)[:, None] * acc_stride + cols[None, :], mask=mask, other=0)
+    x_scale = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
+    w_scale = tl.load(ws_ptr + cols, mask=col_ok, other=0.0)
+    y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def dequantize_product_triton(acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor,
+                              bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """int32 acc (M, N) * s_x[m] * s_w[n] (+ bias) -> dtype in one pass (the torch epilogue takes four: at a
+    prefill of 4,096 rows x 37,888 columns each pass moves 0.6 GB)."""
+    m, n = acc.shape
+    out = torch.empty((m, n), dtype=dtype, device=acc.device)
+    if acc.stride(1) != 1:
+        acc = acc.contiguous()
+    if m and n:
+        grid = (triton.cdiv(m, _EPILOGUE_M), triton.cdiv(n, _EPILOGUE_N))
+        _dequantize_kernel[grid](acc, x_scale.contiguous(), weight_scale.reshape(-1).contiguous(),
+                                 bias if bias is not None else weight_scale, out, m, n, acc.stride(0), out.stride(0),
+                                 BLOCK_M=_EPILOGUE_M, BLOCK_N=_EPILOGUE_N, HAS_BIAS=bias is not None)
+    return out
+
+
+def int8_gemv_config(n: int, k: int) -> Int8GemvConfig:
+    """The bf16 GEMV's measured tiles (kernels/gemv.py: gemv_config) with the same bytes per pipeline stage, so
+    the same bytes in flight: twice the K elements at one byte each. Wide matrices (gate/up) 64 x 256 with 3
+    stages; narrow ones 64 x 512 with 4, K split in two when there are fewer than 64 column blocks. Not yet
+    measured for int8: scripts/gpu_int8_gemv.py times a grid around it."""
+    if n >= 16384:
+        return Int8GemvConfig(64, 256, 1, 4, 3)
+    return Int8GemvConfig(64, 512, 2 if triton.cdiv(n, 64) < 64 and k >= 1024 else 1, 4, 4)
+
+
+def int8_gemv_lock_count(n: int, config: Int8GemvConfig) -> int:
+    """Arrival counters a split-K call needs: one per column block."""
+    return triton.cdiv(n, config.block_n)
+
+
+def w8a8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+              *, x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+              config: Int8GemvConfig | None = None, locks: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) -> (M, N) for M <= 16 in out_dtype (default x's dtype). `weight` int8 (N, K), `weight_scale`
+    float32 (N,). x float: quantized per token, or with the static per-tensor `x_scale` (1 value). x int8: already
+    quantized, `x_scale` its (M,) float32 row scales (out_dtype then required). `locks` as for gemv_triton."""
+    m, n, k = check_w8a8_operands(x, weight, weight_scale)
+    if not 0 < m <= _ROWS:
+        raise ValueError(f"w8a8_gemv takes 1..{_ROWS} rows, got {m}")
+    if x.dtype == torch.int8:
+        if x_scale is None or x_scale.numel() != m or x_scale.dtype != torch.float32 or out_dtype is None:
+            raise ValueError("int8 x needs its (M,) float32 row scales as x_scale and an out_dtype")
+        mode = X_QUANTIZED
+    else:
+        if x_scale is not None and x_scale.numel() != 1:
+            raise ValueError("a static x_scale is one per-tensor value")
+        mode = X_DYNAMIC if x_scale is None else X_STATIC
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = config or int8_gemv_config(n, k)
+    steps = triton.cdiv(k, cfg.block_k)
+    k_per_split = triton.cdiv(steps, cfg.split_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)  # no empty splits
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    part = out
+    if split > 1:
+        part = torch.empty((split, _ROWS, n), dtype=torch.int32, device=x.device)
+        need = int8_gemv_lock_count(n, cfg)
+        if locks is None:
+            locks = torch.zeros(need, dtype=torch.int32, device=x.device)
+        elif locks.dtype != torch.int32 or locks.numel() < need or locks.device != x.device:
+            raise ValueError(f"locks must be >= {need} int32 zeros on {x.device}")
+    _w8a8_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        x, x_scale if x_scale is not None else weight_scale, weight, weight_scale,
+        bias if bias is not None else weight_scale, out, part, locks if split > 1 else out, m, n, k,
+        k_per_split, split, x.stride(0), weight.stride(0), out.stride(0),
+        ROWS=_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, HAS_BIAS=bias is not None,
+        X_MODE=mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def quantize_rows(x: torch.Tensor, x_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float -> (int8 (M, K), float32 (M,) scales): per token, or with a static per-tensor scale."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_rows takes 2-D x, got {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    scales = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_kernel[(m,)](x, x_scale if x_scale is not None else scales, q, scales, k, x.stride(0),
+                                    q.stride(0), BLOCK=min(_QUANT_BLOCK, triton.next_power_of_2(k)),
+                                    STATIC=x_scale is not None)
+    return q, scales
