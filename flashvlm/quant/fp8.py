@@ -12,7 +12,7 @@ from torch import nn
 from flashvlm.quant.base import QuantFormatError, QuantMethod, out_sizes_of
 from flashvlm.quant.fp8_formats import Fp8Scheme, compressed_tensors_scheme, transformers_fp8_scheme
 from flashvlm.quant.fp8_linear import Fp8Linear
-from flashvlm.quant.fp8_math import round_e4m3, scale_of
+from flashvlm.quant.fp8_math import quantize_blocks, round_e4m3, scale_of
 
 _QUANTIZED_SUFFIXES = (".weight_scale", ".weight_scale_inv")
 
@@ -40,19 +40,28 @@ class Fp8Method(QuantMethod):
 
     @torch.no_grad()
     def quantize(self, layer: nn.Module, scheme: Fp8Scheme) -> Fp8Linear:
-        """Round a float layer's weights: channel (amax of each row / 448) or tensor (amax of each projection's
-        rows / 448, expanded over them). Static activations and block weights need a checkpoint."""
-        if scheme.weight not in ("channel", "tensor") or scheme.activation == "static":
-            raise QuantFormatError(f"--quantization fp8 rounds float weights per channel or per tensor with dynamic "
-                                   f"or no activation scales; {scheme} needs a pre-quantized checkpoint")
+        """Round a float layer's weights: channel (amax of each row / 448), tensor (amax of each projection's
+        rows / 448, expanded over them) or block (amax of each tile / 448, e.g. random weights benchmarked with a
+        block-scaled checkpoint's config). Static activation scales need calibration, so a checkpoint."""
+        if scheme.activation == "static":
+            raise QuantFormatError(f"fp8 with static activation scales ({scheme}) needs a pre-quantized checkpoint "
+                                   "holding its calibrated input_scale; --quantization fp8 rounds activations "
+                                   "dynamically")
         new = self.empty_layer(layer, scheme)
         weight = layer.weight.float()
-        amax = weight.abs().amax(dim=1)
-        if scheme.weight == "tensor":
-            amax = torch.cat([part.amax().expand(len(part)) for part in amax.split(new.out_sizes)])
-        scale = scale_of(amax)
-        new.weight.copy_(round_e4m3(weight, scale[:, None]))
-        new.weight_scale.copy_(scale)
+        if scheme.block is not None:
+            for shard, part in enumerate(weight.split(new.out_sizes)):
+                q, scale = quantize_blocks(part, scheme.block)
+                new.load_shard("weight", shard, q)
+                new.load_shard(scheme.block_scale_name, shard, scale)
+            new.finish_loading()
+        else:
+            amax = weight.abs().amax(dim=1)
+            if scheme.weight == "tensor":
+                amax = torch.cat([part.amax().expand(len(part)) for part in amax.split(new.out_sizes)])
+            scale = scale_of(amax)
+            new.weight.copy_(round_e4m3(weight, scale[:, None]))
+            new.weight_scale.copy_(scale)
         if layer.bias is not None:
             new.bias.copy_(layer.bias)
         new.use_triton_kernels = getattr(layer, "use_triton_kernels", True)

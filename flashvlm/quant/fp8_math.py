@@ -39,6 +39,17 @@ def quantize_groups(x: torch.Tensor, group: int | None = None) -> tuple[torch.Te
     return round_e4m3(x, expand_columns(scale, group, cols)), scale
 
 
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round a 2-D weight with a scale per (rows, cols) tile (partial tiles at the edges): (e4m3 like w, float32
+    scales (ceil(N / rows), ceil(K / cols)))."""
+    (n, k), (bn, bk) = w.shape, block
+    nb, kb = -(-n // bn), -(-k // bk)
+    tiles = torch.nn.functional.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n)).view(nb, bn, kb, bk)
+    scale = scale_of(tiles.abs().amax(dim=(1, 3)))
+    full = scale.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+    return round_e4m3(w, full), scale
+
+
 def expand_columns(scale: torch.Tensor, group: int, cols: int) -> torch.Tensor:
     """(rows, groups) scales repeated over each group's columns: (rows, cols)."""
     return scale.repeat_interleave(group, dim=1)[:, :cols]

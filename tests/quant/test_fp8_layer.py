@@ -11,30 +11,13 @@ from flashvlm.quant.base import QuantFormatError
 from flashvlm.quant.fp8 import Fp8Method
 from flashvlm.quant.fp8_formats import Fp8Scheme
 from flashvlm.quant.fp8_linear import Fp8Linear
+from flashvlm.testing.quantized_fp8 import fp8_round_trip, fp8_scale, round_activation
 
 FP8 = torch.float8_e4m3fn
 
 
-# ---- the reference: the scheme's math, written independently of flashvlm.quant ------------------------------
-def ref_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x rounded to e4m3 with `scale` and back (float32)."""
-    return torch.clamp(x.float() / scale, -448.0, 448.0).to(FP8).float() * scale
-
-
-def ref_scale(amax: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(amax.float() / 448.0, min=1e-12)
-
-
-def ref_activation(x: torch.Tensor, activation: str | None, input_scale: float | None = None,
-                   group: int | None = None) -> torch.Tensor:
-    if activation is None:
-        return x.float()
-    if activation == "static":
-        return ref_round(x, torch.tensor(input_scale))
-    if group is None:
-        return ref_round(x, ref_scale(x.abs().amax(dim=1, keepdim=True)))
-    cols = [ref_round(c, ref_scale(c.abs().amax(dim=1, keepdim=True))) for c in x.split(group, dim=1)]
-    return torch.cat(cols, dim=1)
+# ---- the reference: the scheme's math, written independently of flashvlm.quant (flashvlm/testing) ------------
+ref_round, ref_scale, ref_activation = fp8_round_trip, fp8_scale, round_activation
 
 
 def ref_product(x_deq: torch.Tensor, w_deq: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -98,6 +81,21 @@ def test_quantize_refuses_schemes_that_need_a_checkpoint() -> None:
     layer = _float_layer([32], 32, bias=False, seed=2)
     with pytest.raises(QuantFormatError, match="pre-quantized"):
         Fp8Method().quantize(layer, Fp8Scheme("channel", "static"))
+
+
+def test_quantize_block_scaled() -> None:
+    """Random weights benchmarked under a block-scaled checkpoint's scheme: tiles of each projection."""
+    sizes, k, block = [64, 32, 32], 96, (16, 32)
+    layer = _float_layer(sizes, k, bias=True, seed=6)
+    fp8 = Fp8Method().quantize(layer, Fp8Scheme("block", "dynamic", block))
+    w_parts = []
+    for part in layer.weight.detach().float().split(sizes):
+        tiles = [[part[i:i + 16, j:j + 32] for j in range(0, k, 32)] for i in range(0, len(part), 16)]
+        w_parts.append(torch.cat([torch.cat([ref_round(t, ref_scale(t.abs().amax())) for t in row], dim=1)
+                                  for row in tiles]))
+    x = _inputs(4, k, 8)
+    expected = ref_product(ref_activation(x, "dynamic", group=32), torch.cat(w_parts), layer.bias)
+    torch.testing.assert_close(fp8(x), expected, rtol=1e-5, atol=1e-5)
 
 
 # ---- loading checkpoint-shaped tensors -------------------------------------------------------------------------
