@@ -14,6 +14,10 @@ from flashvlm.quant.registry import get_method
 
 _VISION_ROOTS = ("visual", "vision_tower", "multi_modal_projector")
 _FLOAT_LINEARS = (Linear, PlainLinear)
+_CONVOLUTIONS_IN_CHECKPOINTS = ("patch_embed.proj",)
+"""Linear layers that checkpoints store as convolutions (Qwen's Conv3d patch embedding, run as a linear layer over
+flattened patches): quantizers that target linear layers leave them float, the tower reads their weight's dtype
+for its pixels, and they see raw pixels."""
 
 
 def float_targets(model: nn.Module, quantize_vision: bool) -> list[str]:
@@ -25,7 +29,8 @@ def float_targets(model: nn.Module, quantize_vision: bool) -> list[str]:
         for root in _VISION_ROOTS:
             sub = getattr(model, root, None)
             if sub is not None:
-                names += [f"{root}.{n}" for n, m in sub.named_modules() if isinstance(m, _FLOAT_LINEARS)]
+                names += [f"{root}.{n}" for n, m in sub.named_modules() if isinstance(m, _FLOAT_LINEARS)
+                          and not n.endswith(_CONVOLUTIONS_IN_CHECKPOINTS)]
     return names
 
 

@@ -211,3 +211,21 @@ def test_unknown_quant_method_is_refused(base, tmp_path, method) -> None:
     path = _with_quant_config(base, tmp_path / method, {"quant_method": method, "bits": 4, "group_size": 128})
     with pytest.raises(QuantFormatError, match=method):
         LLM(path, device="cpu", kv_cache_tokens=1024)
+
+
+@pytest.mark.parametrize("qwen25", [False, True])
+def test_quantize_vision_rounds_the_tower_too(tmp_path, qwen25) -> None:
+    path = build_qwen2_vl(tmp_path / "float", seed=32, qwen25=qwen25)
+    llm, tokens, logits = _run(path, quantization="fp8", quantize_vision=True)
+    summary = llm.engine.limits.quantization
+    model = llm.engine.model
+    from flashvlm.quant.fp8_linear import Fp8Linear
+
+    tower = [n for n, m in model.visual.named_modules() if isinstance(m, Fp8Linear)]
+    assert len(tower) >= 4 * 2 and summary["quantize_vision"] and summary["num_quantized"] == 8 + len(tower)
+    # the patch embedding (a convolution in the checkpoint, fed raw pixels) stays float
+    assert model.visual.patch_embed.proj.weight.dtype == torch.float32
+    _, float_tokens, float_logits = _run(path)
+    bound = 1.5 * _PRODUCT_ERROR * math.sqrt(summary["num_quantized"])
+    for ours, ref in zip(logits, float_logits):
+        assert ((ours[0] - ref[0]).norm() / ref[0].norm()).item() <= bound

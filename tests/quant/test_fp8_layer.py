@@ -3,6 +3,8 @@ random inputs: rounding float weights, loading checkpoint-shaped tensors into me
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -212,3 +214,39 @@ def test_describe_names_the_formats() -> None:
     assert isinstance(layer, Fp8Linear)
     assert layer.describe() == {"method": "fp8", "weight": "e4m3 per channel",
                                 "activation": "e4m3 dynamic per token"}
+
+
+def test_cuda_dispatch_hands_the_gemv_its_contract(monkeypatch) -> None:
+    """Which path a CUDA product takes, run here on CPU tensors with the GEMV replaced by a recording stand-in that
+    computes the reference: rows <= gemv_max_rows get fp8_gemv(x, weight (N, K) e4m3, weight_scale (N,) float32,
+    bias, input_scale=(1,) float32 or None, locks=int32 counters); more rows torch._scaled_mm; block weights the
+    dequantized product."""
+    import flashvlm.quant.fp8_linear as fp8_linear
+
+    calls: list[dict] = []
+
+    def fake_gemv(x, weight, weight_scale, bias=None, *, input_scale=None, locks=None):
+        calls.append({"x": x, "weight": weight, "weight_scale": weight_scale, "bias": bias,
+                      "input_scale": input_scale, "locks": locks})
+        activation = "dynamic" if input_scale is None else "static"
+        w_deq = weight.float() * weight_scale[:, None]
+        scale = None if input_scale is None else input_scale.item()
+        return ref_product(ref_activation(x, activation, scale), w_deq, bias).to(x.dtype)
+
+    monkeypatch.setattr(fp8_linear, "_fp8_gemv", lambda: fake_gemv)
+    monkeypatch.setattr(fp8_linear, "use_triton", lambda x, enabled=None, force=False: bool(enabled))
+    layer = _float_layer([64, 32, 32], 64, bias=True, seed=7).to(torch.bfloat16)
+    fp8 = Fp8Method().quantize(layer, Fp8Method().default_scheme())
+    x = _inputs(16, 64, 1).bfloat16()
+    torch.testing.assert_close(fp8._forward_cuda(x).float(), fp8(x).float(), rtol=1e-2, atol=1e-2)
+    (call,) = calls
+    assert call["weight"].dtype == FP8 and call["weight"].shape == (128, 64)
+    assert call["weight_scale"].dtype == torch.float32 and call["weight_scale"].shape == (128,)
+    assert call["input_scale"] is None and call["locks"].dtype == torch.int32 and call["bias"] is fp8.bias
+    # past gemv_max_rows: torch._scaled_mm (a CPU build without it raises; the GEMV must not run either way)
+    with contextlib.suppress(RuntimeError, NotImplementedError):
+        fp8._forward_cuda(_inputs(17, 64, 2).bfloat16())
+    assert len(calls) == 1
+    block = Fp8Method().quantize(layer, Fp8Scheme("block", "dynamic", (16, 32)))
+    torch.testing.assert_close(block._forward_cuda(x).float(), block(x).float(), rtol=2e-2, atol=2e-2)
+    assert len(calls) == 1
