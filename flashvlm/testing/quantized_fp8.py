@@ -20,7 +20,8 @@ import torch
 
 E4M3_MAX = 448.0
 _LM_LINEAR = re.compile(r"(^|\.)layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
-_VISION = ("model.visual.", "visual.")
+_VISION = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
+           "multi_modal_projector.")
 # A fixed activation scale per input of a decoder layer (static schemes): projections that read the same input
 # share one, as calibration on that input gives them.
 _STATIC_SCALES = {"q": 6.0, "k": 6.0, "v": 6.0, "o": 3.0, "gate": 6.0, "up": 6.0, "down": 2.0}
