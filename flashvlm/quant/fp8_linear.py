@@ -61,6 +61,8 @@ class Fp8Linear(QuantizedLinear):
             self.input_scale = frozen(torch.empty(len(self.out_sizes), dtype=torch.float32, device=device))
         else:
             self.register_parameter("input_scale", None)
+        self.folded = False
+        """Whether finish_loading has put the checkpoint's tensors into the run-time layout."""
         # The FP8 GEMV's split-K arrival counters, zeros between calls (one per 16 output columns), own to this layer.
         self.register_buffer("gemv_locks", torch.zeros(_cdiv(n, 16), dtype=torch.int32, device=device),
                              persistent=False)
@@ -96,6 +98,9 @@ class Fp8Linear(QuantizedLinear):
             super().load_shard(param_name, shard, tensor)
 
     def finish_loading(self) -> None:
+        if self.folded:
+            return
+        self.folded = True
         if self.input_scale is not None and self.input_scale.numel() > 1:
             # Merged projections (q/k/v, gate/up) share one input, so one activation scale must serve them all;
             # the largest covers every projection's calibrated range (no input overflows e4m3). llm-compressor
@@ -151,7 +156,9 @@ class Fp8Linear(QuantizedLinear):
         activations (when the scheme quantizes them) rounded and dequantized, then the library GEMM. Correct and
         memory-light, not fast: neither scheme has an exact load-time conversion to the per-channel layout the
         FP8 kernels take (block scales vary along K within a row; weight-only keeps x unrounded)."""
-        w = dequantize_weight(self.weight, self.weight_scale, self.block_cols, dtype=x.dtype)
+        # In the model dtype from the start (e4m3 values are exact in it), so the temporary weight is no wider than
+        # a float layer's; the scale's rounding to that dtype is of the order of the product's own.
+        w = dequantize_weight(self.weight, self.weight_scale, self.block_cols, dtype=x.dtype, compute_dtype=x.dtype)
         quantized = quantize_activation(x, self.scheme.activation, self.input_scale, self.scheme.activation_group)
         if quantized is not None:
             q, scale = quantized

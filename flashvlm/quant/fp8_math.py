@@ -56,11 +56,17 @@ def expand_columns(scale: torch.Tensor, group: int, cols: int) -> torch.Tensor:
 
 
 def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor, block_cols: int | None = None,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """weight (N, K) e4m3 times its scales: (N,) per row, or (N, ceil(K / block_cols)) per row and column block."""
-    if weight_scale.dim() == 1:
-        return (weight.float() * weight_scale.float()[:, None]).to(dtype)
-    return (weight.float() * expand_columns(weight_scale.float(), int(block_cols), weight.shape[1])).to(dtype)
+                      dtype: torch.dtype = torch.float32,
+                      compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """weight (N, K) e4m3 times its scales: (N,) per row, or (N, ceil(K / block_cols)) per row and column block;
+    multiplied in compute_dtype, returned in dtype."""
+    w, scale = weight.to(compute_dtype), weight_scale.to(compute_dtype)
+    if scale.dim() == 1:
+        return (w * scale[:, None]).to(dtype)
+    n, k = weight.shape
+    if k % int(block_cols) == 0:  # each scale over its block of columns, without an (N, K) copy of the scales
+        return (w.view(n, -1, int(block_cols)) * scale[:, :, None]).view(n, k).to(dtype)
+    return (w * expand_columns(scale, int(block_cols), k)).to(dtype)
 
 
 def quantize_activation(x: torch.Tensor, activation: str | None, input_scale: torch.Tensor | None = None,
