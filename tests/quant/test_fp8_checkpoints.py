@@ -53,10 +53,10 @@ def _generate(llm: LLM) -> tuple[list[list[int]], list[torch.Tensor]]:
     return [o.token_ids for o in outs], [torch.stack(runner.recorded_logits[o.request_id]) for o in outs]
 
 
-def _reference(quantized, tmp_path, activation: str | None, group: int | None = None) -> LLM:
+def _reference(quantized, tmp_path, activation: str | None, group: int | None = None, **kw) -> LLM:
     """The float model of a quantized checkpoint's weights (dequantized by the writer's code), each quantized
     linear layer's input rounded as the scheme says by a hook (static: with the layer's checkpoint input scale)."""
-    llm = LLM(str(write_dequantized(quantized, tmp_path / "dequantized")), device="cpu", kv_cache_tokens=1024)
+    llm = LLM(str(write_dequantized(quantized, tmp_path / "dequantized")), device="cpu", kv_cache_tokens=1024, **kw)
     model = llm.engine.model
     assert llm.engine.limits.quantization is None
     scales: dict[str, float] = {}
@@ -134,6 +134,20 @@ def test_compressed_tensors_checkpoint_matches_reference(base, tmp_path, weight,
     assert summary["prequantized"] and summary["source"] == f"checkpoint (compressed-tensors, {fmt})"
     assert summary["scheme"]["weight"] == weight and summary["scheme"]["activation"] == activation
     assert summary["num_quantized"] == 8 and summary["float_linear_roots"] == ["lm_head", "visual"]
+
+
+def test_bfloat16_model(base, tmp_path) -> None:
+    """The layer takes and returns the model dtype (bias, output). Against the bfloat16 reference the logits
+    differ by bfloat16 rounding (ours accumulates in float32, the reference in bf16), which e4m3 rounding of the
+    next layer's inputs amplifies: a 2^-9 difference moves about 1 input in 16 to its neighbouring e4m3 value (a
+    2^-4 step), ~1.6% per product and ~5% over 8 (measured 4-5%); a wrong dtype, scale or bias is far beyond."""
+    quantized = write_compressed_tensors_fp8(base, tmp_path / "ct", activation="static")
+    llm, _, logits = _run(quantized, dtype="bfloat16")
+    qkv = llm.engine.model.language_model.layers[0].self_attn.qkv_proj
+    assert qkv.bias.dtype == torch.bfloat16 and qkv(torch.randn(3, qkv.in_features).bfloat16()).dtype == torch.bfloat16
+    _, ref_logits = _generate(_reference(quantized, tmp_path, "static", dtype="bfloat16"))
+    for ours, ref in zip(logits, ref_logits):
+        assert ((ours[0] - ref[0]).norm() / ref[0].norm()).item() <= 0.15
 
 
 def test_compressed_tensors_library_reads_the_same_weights(base, tmp_path) -> None:
