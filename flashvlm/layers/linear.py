@@ -87,5 +87,6 @@ def set_gemv_max_rows(model: nn.Module, rows: int) -> None:
     for module in model.modules():
         if hasattr(module, "gemv_max_rows"):
             module.gemv_max_rows = rows
-        if isinstance(module, Linear):
-            module.gemv_locks.zero_()
+        locks = getattr(module, "gemv_locks", None)  # a Linear's, or a quantized layer's low-row kernel's
+        if isinstance(locks, torch.Tensor):
+            locks.zero_()

@@ -101,6 +101,13 @@ def load_params(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
             if len(shards_seen[full]) == len(module.out_sizes):
                 filled.add(full)
             continue
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        if hasattr(owner, "load_tensor"):  # a quantized layer: it places its checkpoint tensors itself
+            with torch.no_grad():
+                owner.load_tensor(leaf, tensor)
+            filled.add(name)
+            continue
         param = params[name]
         if param.shape != tensor.shape:
             raise ValueError(f"weight {ckpt_name}: checkpoint shape {tuple(tensor.shape)} != "

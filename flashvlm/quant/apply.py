@@ -14,21 +14,23 @@ from flashvlm.quant.registry import get_method
 
 _VISION_ROOTS = ("visual", "vision_tower", "multi_modal_projector")
 _FLOAT_LINEARS = (Linear, PlainLinear)
+_CONVOLUTIONS_IN_CHECKPOINTS = ("patch_embed.proj",)
+"""Linear layers that checkpoints store as convolutions (Qwen's Conv3d patch embedding, run as a linear layer over
+flattened patches): quantizers that target linear layers leave them float, the tower reads their weight's dtype
+for its pixels, and they see raw pixels."""
 
 
 def float_targets(model: nn.Module, quantize_vision: bool) -> list[str]:
     """The language model's linear layers (not the LM head, whose few sampled rows cost little and whose
-    precision every token depends on); with quantize_vision also the vision tower's and projector's, except the
-    patch embedding: a convolution in the checkpoints (quantizers leave it alone), whose weight dtype the towers
-    read to cast pixels."""
+    precision every token depends on); with quantize_vision also the vision tower's and projector's."""
     names = [f"language_model.{n}" for n, m in model.language_model.named_modules()
              if isinstance(m, _FLOAT_LINEARS)]
     if quantize_vision:
         for root in _VISION_ROOTS:
             sub = getattr(model, root, None)
             if sub is not None:
-                names += [f"{root}.{n}" for n, m in sub.named_modules()
-                          if isinstance(m, _FLOAT_LINEARS) and "patch_embed" not in n]
+                names += [f"{root}.{n}" for n, m in sub.named_modules() if isinstance(m, _FLOAT_LINEARS)
+                          and not n.endswith(_CONVOLUTIONS_IN_CHECKPOINTS)]
     return names
 
 

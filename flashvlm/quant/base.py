@@ -89,6 +89,15 @@ class QuantizedLinear(nn.Module):
                              f"got {tuple(tensor.shape)}")
         target.copy_(tensor)
 
+    def load_tensor(self, param_name: str, tensor: torch.Tensor) -> None:
+        """A checkpoint tensor of a layer that is one projection (the loader calls it instead of copying, so a
+        layer may take tensors whose stored shape differs from its own, e.g. a scale saved as () or (1,))."""
+        param = getattr(self, param_name)
+        if param is None or param.shape != tensor.shape:
+            raise ValueError(f"{type(self).__name__}.{param_name}: checkpoint shape {tuple(tensor.shape)} != "
+                             f"{None if param is None else tuple(param.shape)}")
+        param.data.copy_(tensor)
+
     def finish_loading(self) -> None:
         """Called once every tensor is in: repack for the kernels, fold per-projection scales. Default: nothing."""
 
