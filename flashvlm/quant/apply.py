@@ -18,14 +18,16 @@ _FLOAT_LINEARS = (Linear, PlainLinear)
 
 def float_targets(model: nn.Module, quantize_vision: bool) -> list[str]:
     """The language model's linear layers (not the LM head, whose few sampled rows cost little and whose
-    precision every token depends on); with quantize_vision also the vision tower's and projector's."""
+    precision every token depends on); with quantize_vision also the vision tower's and projector's, except a
+    patch embedding (raw pixels in; the model reads its weight's dtype and device)."""
     names = [f"language_model.{n}" for n, m in model.language_model.named_modules()
              if isinstance(m, _FLOAT_LINEARS)]
     if quantize_vision:
         for root in _VISION_ROOTS:
             sub = getattr(model, root, None)
             if sub is not None:
-                names += [f"{root}.{n}" for n, m in sub.named_modules() if isinstance(m, _FLOAT_LINEARS)]
+                names += [f"{root}.{n}" for n, m in sub.named_modules()
+                          if isinstance(m, _FLOAT_LINEARS) and "patch_embed" not in n]
     return names
 
 
