@@ -58,11 +58,11 @@ def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
                      k: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The float weight (N, k) the kernels multiply with: each element rounded once to `dtype` (default the
     scales' dtype) from the exact product (u - zero) * scale, as the kernels round their tiles."""
-    codes = unpack_planes(qweight, k).to(torch.float32)
-    group = torch.arange(k, device=qweight.device) // group_size
-    scale = scales.to(torch.float32).t()[:, group]  # (N, k)
-    zero = SYMMETRIC_ZERO if zeros is None else zeros.to(torch.float32).t()[:, group]
-    return ((codes - zero) * scale).to(dtype or scales.dtype)
+    n, groups = qweight.shape[0], scales.shape[0]
+    codes = F.pad(unpack_planes(qweight, k), (0, groups * group_size - k)).view(n, groups, group_size)
+    scale = scales.to(torch.float32).t().unsqueeze(-1)  # (N, G, 1): broadcast over each group
+    zero = SYMMETRIC_ZERO if zeros is None else zeros.to(torch.float32).t().unsqueeze(-1)
+    return ((codes.to(torch.float32) - zero) * scale).to(dtype or scales.dtype).view(n, -1)[:, :k]
 
 
 def w4a16_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
