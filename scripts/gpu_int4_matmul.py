@@ -4,7 +4,8 @@ reference of the same weights first. Prints times and weight TB/s (packed codes 
 JSON in $OUT/int4_matmul.json.
 
     PYTHONPATH=. python scripts/gpu_int4_matmul.py            # GPU; env ROWS=1,4 SHAPES=qkv,down GEMM_ROWS=512
-    PYTHONPATH=. python scripts/gpu_int4_matmul.py --sweep    # also a grid of tile configs, the best printed
+    PYTHONPATH=. python scripts/gpu_int4_matmul.py --sweep    # also a grid of tile configs (GEMV: at the first
+                                                              # row count; the next take its best 4)
     PYTHONPATH=. python scripts/gpu_int4_matmul.py --smoke    # CPU, Triton's interpreter, a tiny shape
 
 Timing as scripts/gpu_gemv.py: CUDA graphs of back-to-back calls cycling through copies of the weights (more
@@ -107,9 +108,12 @@ def bench_shape(name: str, n: int, k: int, has_bias: bool, rows_list: list[int],
                            dense_copies))
         default = gemv_config(n, k) if gemv else gemm_config(rows, n)
         grid = [default]
-        if args.sweep and gemv:
-            grid += [W4Config(bn, split, 16, warps, stages) for bn, split, warps, stages in
-                     itertools.product((32, 64, 128), (1, 2, 4, 8, 16), (4, 8), (2, 3, 4))]
+        if args.sweep and gemv and f"{name}/top" in res:  # more rows: the best configs of the first count
+            grid += [W4Config(*c) for c in res[f"{name}/top"]]
+        elif args.sweep and gemv:
+            grid += [W4Config(bn, split, 16, 4, stages, swap) for bn, split, stages, swap in
+                     itertools.product((32, 64, 128), (1, 2, 4, 8, 16), (2, 3), (False, True))
+                     if not (swap and bn < 64)]  # a swapped tile is the dot's M: 64 and up
         elif args.sweep:
             grid += [W4Config(bn, 1, bm, warps, stages) for bm, bn, warps, stages in
                      itertools.product((64, 128), (64, 128, 256), (4, 8), (2, 3))]
@@ -132,6 +136,8 @@ def bench_shape(name: str, n: int, k: int, has_bias: bool, rows_list: list[int],
             print(f"   {tag}{r['variant']} {r['config'] or ''} {r['us']:.1f} us ({tbs:.2f} TB/s weights, "
                   f"{flops:.0f} TFLOP/s) err {r['rel_err']:.1e}", flush=True)
         res[f"{name}/{rows}"] = rows_out
+        if gemv and f"{name}/top" not in res:
+            res[f"{name}/top"] = [r["config"] for r in rows_out if r["variant"] == "w4a16-gemv"][:4]
     if bad:
         raise SystemExit("\n".join(["wrong results:", *bad]))
 

@@ -38,6 +38,9 @@ class W4Config(NamedTuple):
     block_m: int = _ROWS
     num_warps: int = 4
     num_stages: int = 3
+    swap: bool = False
+    """GEMV only: the weight tile as the dot's first operand (out^T = W x^T): an M of BLOCK_N, not the padded
+    16 rows, lets Hopper's wgmma take the dequantized tile from registers; False: x first, as the bf16 GEMV."""
 
 
 @triton.jit
@@ -67,7 +70,8 @@ def _group_params(s_ptr, z_ptr, k, cols, col_ok, N, num_groups,
 def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, lock_ptr,
                        M, N, K, num_groups, blocks_per_split, num_splits, x_stride, w_stride, out_stride,
                        GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ZERO: tl.constexpr,
-                       ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr):
+                       ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                       SWAP: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -80,7 +84,10 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, loc
     ty = out_ptr.dtype.element_ty
     first = pid_k * blocks_per_split
     last = tl.minimum(tl.cdiv(K, 256), first + blocks_per_split)
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc_t = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+    else:
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for blk in range(first, last):
         words = tl.load(w_tile + blk * 32, mask=col_ok[:, None], other=0)
         for i in tl.static_range(8):
@@ -91,7 +98,12 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, loc
                 x = tl.load(x_tile + k, mask=row_ok[:, None], other=0.0)
             else:
                 x = tl.load(x_tile + k, mask=row_ok[:, None] & (k + j < K)[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
+            if SWAP:
+                acc_t = tl.dot(w, tl.trans(x), acc_t)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+    if SWAP:
+        acc = tl.trans(acc_t)
     out_ptrs = out_ptr + rows[:, None] * out_stride + cols[None, :]
     out_mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT:
@@ -220,7 +232,7 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         part, locks if split > 1 else out, m, n, k, scales.shape[0], per_split, split,
         x.stride(0), qweight.stride(0), out.stride(0),
         GROUP=group_size, ROWS=_ROWS, BLOCK_N=cfg.block_n, HAS_ZERO=zeros is not None, ZERO=SYMMETRIC_ZERO,
-        HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=k % BLOCK_K == 0,
+        HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=k % BLOCK_K == 0, SWAP=cfg.swap,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -97,13 +97,14 @@ def test_plane_packing_round_trips() -> None:
 def test_gemv_matches_reference(device, dtype, m, group_size, symmetric) -> None:
     n, k = 72, 384  # K: one and a half 256-input blocks; N: not a multiple of the column block
     x, q, s, z, b = _inputs(device, dtype, m, n, k, group_size, symmetric, bias=m == 5, seed=m + group_size)
-    out = w4a16_gemv(x, q, s, z, group_size, b, config=W4Config(64, split_k=2))
+    out = w4a16_gemv(x, q, s, z, group_size, b, config=W4Config(64, split_k=2, swap=m == 16))
     assert out.shape == (m, n) and out.dtype == dtype
     _close(out, _expected(x, q, s, z, group_size, b), dtype)
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
-@pytest.mark.parametrize("config", [None, W4Config(16), W4Config(16, split_k=3)], ids=["default", "n16", "split3"])
+@pytest.mark.parametrize("config", [None, W4Config(16), W4Config(16, split_k=3), W4Config(16, split_k=2, swap=True)],
+                         ids=["default", "n16", "split3", "swap-split2"])
 def test_gemv_configs_and_ragged_k(device, dtype, config) -> None:
     x, q, s, z, b = _inputs(device, dtype, 3, 40, 96, 32, False, bias=True, seed=7)  # K below one block
     _close(w4a16_gemv(x, q, s, z, 32, b, config=config), _expected(x, q, s, z, 32, b), dtype)
