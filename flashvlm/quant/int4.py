@@ -162,6 +162,11 @@ class Int4Method(QuantMethod):
         return schemes.pop()
 
     def is_quantized_tensor(self, checkpoint_name: str) -> bool:
+        """`.weight_packed` marks a quantized layer. A `.weight_g_idx` (GPTQ activation reordering, which a
+        config may not declare) is refused here, where every checkpoint name passes, rather than dropped."""
+        if checkpoint_name.endswith(".weight_g_idx"):
+            raise QuantFormatError(f"{checkpoint_name}: GPTQ activation reordering (a g_idx tensor) is not "
+                                   "supported; flashvlm runs pack-quantized W4A16 with contiguous groups")
         return checkpoint_name.endswith(".weight_packed")
 
     def quantize(self, layer: nn.Module, scheme: Int4Scheme) -> Int4Linear:

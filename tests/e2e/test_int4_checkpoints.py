@@ -110,3 +110,20 @@ def test_unsupported_schemes_are_refused_at_load(float_path, tmp_path, overrides
     quantized = write_int4_checkpoint(float_path, tmp_path / "bad", 32, True, weight_overrides=overrides)
     with pytest.raises(QuantFormatError, match=message):
         _llm(quantized)
+
+
+def test_llava_prequantized_and_vision_quantized(tmp_path) -> None:
+    """The other family: a pre-quantized LLaVA equals its dequantized float model, and --quantize-vision
+    rounds its CLIP tower and projector (the patch embedding, a conv, stays float)."""
+    from flashvlm.testing.tiny_checkpoints import build_llava
+
+    path = build_llava(tmp_path / "llava")
+    prompt = {"prompt": "USER: <image>\nWhat is this? ASSISTANT:",
+              "images": [np.random.default_rng(2).integers(0, 256, (64, 64, 3), dtype=np.uint8)]}
+    quantized = write_int4_checkpoint(path, tmp_path / "q", 32, False, dequantized_copy=tmp_path / "dq")
+    answers = [_llm(p).generate(prompt, GREEDY)[0].token_ids for p in (quantized, tmp_path / "dq")]
+    assert answers[0] == answers[1]
+    llm = _llm(path, quantization="int4", quantize_vision=True)
+    names = [n for n, m in llm.engine.model.named_modules() if isinstance(m, Int4Linear)]
+    assert any(n.startswith("vision_tower.") for n in names) and any("projector" in n for n in names)
+    assert len(llm.generate(prompt, GREEDY)[0].token_ids) == 6

@@ -180,3 +180,5 @@ def test_other_formats_are_refused_or_left_to_other_methods() -> None:
     assert METHOD.scheme_from_checkpoint({"quant_method": "fp8", "weight_block_size": [128, 128]}) is None
     assert METHOD.is_quantized_tensor("model.layers.0.mlp.down_proj.weight_packed")
     assert not METHOD.is_quantized_tensor("model.layers.0.mlp.down_proj.weight_scale")
+    with pytest.raises(QuantFormatError, match="g_idx"):
+        METHOD.is_quantized_tensor("model.layers.0.mlp.down_proj.weight_g_idx")
