@@ -76,6 +76,13 @@ def test_quantization_int4_on_a_float_checkpoint(float_path, tmp_path) -> None:
     assert not torch.allclose(logits, float_logits, atol=1e-3)  # the rounding did happen
 
 
+def test_random_weights_quantized_for_benchmarks(float_path) -> None:
+    llm = _llm(float_path, quantization="int4", load_format="dummy")
+    assert llm.engine.limits.quantization["num_quantized"] == 8
+    tokens, logits = _logits_of(llm)
+    assert len(tokens) == 6 and torch.isfinite(logits).all()
+
+
 def test_quantize_vision_quantizes_the_tower(float_path) -> None:
     llm = _llm(float_path, quantization="int4", quantize_vision=True, hf_overrides={})
     names = [n for n, m in llm.engine.model.named_modules() if isinstance(m, Int4Linear)]

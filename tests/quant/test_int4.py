@@ -62,13 +62,21 @@ def test_quantize_matches_round_to_nearest(group_size, symmetric) -> None:
     assert q(x.view(5, 1, k)).shape == (5, 1, 64)
 
 
-@needs_interpreter
 @pytest.mark.parametrize("rows", [3, 20])
-def test_layer_kernels_match_the_reference_path(rows) -> None:
-    layer = _float_layer([48], 160, bias=True, seed=2)
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=needs_interpreter),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))])
+def test_layer_kernels_match_the_reference_path(device, rows) -> None:
+    """GEMV (3 rows) and GEMM (20 rows) through the layer against its dequantize-then-linear path: on CPU
+    forced through the interpreter in float32, on CUDA as the engine runs them, in bfloat16."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    layer = _float_layer([48], 160, bias=True, seed=2).to(device, dtype)
     q = METHOD.quantize(layer, Int4Scheme(group_size=32, symmetric=False))
-    x = torch.randn(rows, 160)
-    torch.testing.assert_close(q.product(x, force=True), q(x), rtol=1e-4, atol=1e-4)  # GEMV (3) / GEMM (20)
+    x = torch.randn(rows, 160).to(device, dtype)
+    out = q.product(x, force=True) if device == "cpu" else q(x)
+    q.use_triton_kernels = False
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, q(x), rtol=tol, atol=tol)
 
 
 def test_default_scheme_is_group_128_symmetric() -> None:
