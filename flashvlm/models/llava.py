@@ -99,7 +99,7 @@ class LlavaForConditionalGeneration(VLModel):
             if tuple(pv.shape) != shape:
                 raise ValueError(f"image {item.mm_hash}: pixel_values shape {tuple(pv.shape)}, "
                                  f"the CLIP vision tower expects {shape} (resize/crop in preprocessing)")
-        weight = self.multi_modal_projector.linear_1.weight
+        weight = self.vision_tower.embeddings.patch_embedding.weight  # a conv: float under --quantize-vision
         pixels = torch.stack(pixel_values)
         pixels = pixels.to(device=weight.device, dtype=weight.dtype, non_blocking=True)
         features = self.vision_tower(pixels)

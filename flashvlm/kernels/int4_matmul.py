@@ -1,0 +1,259 @@
+"""W4A16 products: y (M, N) = x (M, K) @ W^T (+ bias) with W stored as 4-bit codes in the plane layout of
+kernels/int4_layout.py, dequantized in registers ((u - zero) * scale in float32, rounded to x's dtype, the
+product accumulated in float32 by `tl.dot`).
+
+`w4a16_gemv` (M <= 16, decode): like the bf16 GEMV (kernels/gemv.py) each program owns BLOCK_N output columns
+for all rows (padded to 16) and streams its slice of the packed weights once; a weight block of 256 inputs is
+one (BLOCK_N, 32) int32 load, and each of its 8 nibble planes is one dot with 32 consecutive columns of x. A
+4-bit matrix is a quarter of the bytes, so K is split over more programs to keep every SM streaming; the last
+program of a column block to arrive adds the float32 partials in a fixed order (deterministic) and resets its
+arrival counter, so the counters (`locks`) are reused by the next call and inside CUDA graphs.
+
+`w4a16_gemm` (prefill): (BLOCK_M, BLOCK_N) output tiles, the same per-plane dots over K; programs that share a
+column block run next to each other so its weights are read from L2 after the first.
+
+Both compute what `int4_layout.w4a16_reference` computes (the same rounded weights) up to the order of the
+float32 sums. Tile choices are fixed by shape; they are reasoned from the bf16 GEMV's, not yet measured
+(scripts/gpu_int4_matmul.py times them and, with --sweep, the alternatives).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from flashvlm.kernels.int4_layout import BLOCK_K, PLANE, SYMMETRIC_ZERO, padded_k
+
+__all__ = ["W4Config", "gemm_config", "gemv_config", "gemv_lock_count", "w4a16_gemm", "w4a16_gemv"]
+
+_ROWS = 16
+
+
+class W4Config(NamedTuple):
+    block_n: int
+    split_k: int = 1
+    block_m: int = _ROWS
+    num_warps: int = 4
+    num_stages: int = 3
+    swap: bool = False
+    """GEMV only: the weight tile as the dot's first operand (out^T = W x^T): an M of BLOCK_N, not the padded
+    16 rows, lets Hopper's wgmma take the dequantized tile from registers; False: x first, as the bf16 GEMV."""
+
+
+@triton.jit
+def _plane(words, i: tl.constexpr, scale, zero_magic, dtype: tl.constexpr):
+    """Nibble plane i of a (BLOCK_N, 32) word tile, dequantized: (BLOCK_N, 32) in `dtype`. A code OR-ed into
+    the mantissa of 2**23 (0x4B000000) is the float 2**23 + code, so no integer-to-float convert is needed;
+    subtracting 2**23 + zero is exact."""
+    code = ((words >> (4 * i)) & 15) | 0x4B000000
+    return ((code.to(tl.float32, bitcast=True) - zero_magic[:, None]) * scale[:, None]).to(dtype)
+
+
+@triton.jit
+def _group_params(s_ptr, z_ptr, k, cols, col_ok, N, num_groups,
+                  GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, ZERO: tl.constexpr):
+    """The scale and 2**23 + zero of the group holding input k, for each column (float32)."""
+    g = k // GROUP
+    ok = col_ok & (g + 0 * cols < num_groups)  # a tensor condition: the interpreter rejects a scalar one
+    scale = tl.load(s_ptr + g * N + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_ZERO:
+        zero = tl.load(z_ptr + g * N + cols, mask=ok, other=0).to(tl.float32) + 8388608.0
+    else:
+        zero = tl.full(scale.shape, 8388608.0 + ZERO, tl.float32)
+    return scale, zero
+
+
+@triton.jit
+def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, lock_ptr,
+                       M, N, K, num_groups, blocks_per_split, num_splits, x_stride, w_stride, out_stride,
+                       GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ZERO: tl.constexpr,
+                       ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                       SWAP: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < M
+    j = tl.arange(0, 32)
+    w_tile = w_ptr + cols.to(tl.int64)[:, None] * w_stride + j[None, :]
+    x_tile = x_ptr + rows[:, None] * x_stride + j[None, :]
+    ty = out_ptr.dtype.element_ty
+    first = pid_k * blocks_per_split
+    last = tl.minimum(tl.cdiv(K, 256), first + blocks_per_split)
+    if SWAP:
+        acc_t = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+    else:
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for blk in range(first, last):
+        words = tl.load(w_tile + blk * 32, mask=col_ok[:, None], other=0)
+        for i in tl.static_range(8):
+            k = blk * 256 + i * 32
+            scale, zero = _group_params(s_ptr, z_ptr, k, cols, col_ok, N, num_groups, GROUP, HAS_ZERO, ZERO)
+            w = _plane(words, i, scale, zero, ty)
+            if EVEN_K:
+                x = tl.load(x_tile + k, mask=row_ok[:, None], other=0.0)
+            else:
+                x = tl.load(x_tile + k, mask=row_ok[:, None] & (k + j < K)[None, :], other=0.0)
+            if SWAP:
+                acc_t = tl.dot(w, tl.trans(x), acc_t)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+    if SWAP:
+        acc = tl.trans(acc_t)
+    out_ptrs = out_ptr + rows[:, None] * out_stride + cols[None, :]
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT:
+        # partials (num_splits, ROWS, N) float32; the last arrival of this column block reduces them
+        partials = part_ptr + rows[:, None] * N + cols[None, :]
+        tl.store(partials + pid_k * ROWS * N, acc, mask=out_mask)
+        tl.debug_barrier()  # this program's partial is written before its arrival is counted
+        if tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+            for s in range(num_splits):
+                acc += tl.load(partials + s * ROWS * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptrs, acc.to(ty), mask=out_mask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(ty), mask=out_mask)
+
+
+@triton.jit
+def _w4a16_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, num_groups,
+                       x_stride, w_stride, out_stride,
+                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ZERO: tl.constexpr,
+                       ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_m = tl.program_id(0)  # fastest: the programs of one column block run together and share its weights
+    pid_n = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    j = tl.arange(0, 32)
+    w_tile = w_ptr + cols.to(tl.int64)[:, None] * w_stride + j[None, :]
+    x_tile = x_ptr + rows.to(tl.int64)[:, None] * x_stride + j[None, :]
+    ty = out_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for blk in range(0, tl.cdiv(K, 256)):
+        words = tl.load(w_tile + blk * 32, mask=col_ok[:, None], other=0)
+        for i in tl.static_range(8):
+            k = blk * 256 + i * 32
+            scale, zero = _group_params(s_ptr, z_ptr, k, cols, col_ok, N, num_groups, GROUP, HAS_ZERO, ZERO)
+            w = _plane(words, i, scale, zero, ty)
+            if EVEN_K:
+                x = tl.load(x_tile + k, mask=row_ok[:, None], other=0.0)
+            else:
+                x = tl.load(x_tile + k, mask=row_ok[:, None] & (k + j < K)[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
+    tl.store(out_ptrs, acc.to(ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+_SMS = 132
+"""Streaming multiprocessors of the H200 the split choice was sized for (more programs than SMs keep loads in
+flight)."""
+
+
+def gemv_config(n: int, k: int) -> W4Config:
+    """64-column blocks; K split (in powers of two) until there are about four programs per SM, each streaming
+    at least two 256-input blocks (Qwen2-7B: QKV and o_proj split 4 ways, gate/up not at all, down 16)."""
+    col_blocks = triton.cdiv(n, 64)
+    blocks = triton.cdiv(k, BLOCK_K)
+    split = 1
+    while col_blocks * split < 4 * _SMS and blocks // (split * 2) >= 2:
+        split *= 2
+    return W4Config(64, split, _ROWS, 4, 3)
+
+
+def gemm_config(m: int, n: int) -> W4Config:
+    if m <= 64:
+        return W4Config(128, 1, 64, 4, 2)
+    return W4Config(128, 1, 128, 8, 2)
+
+
+def gemv_lock_count(n: int, config: W4Config) -> int:
+    """Arrival counters a split-K call needs: one per column block."""
+    return triton.cdiv(n, config.block_n)
+
+
+def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+           group_size: int) -> None:
+    if x.dim() != 2 or qweight.dim() != 2 or qweight.dtype != torch.int32:
+        raise ValueError(f"w4a16 takes 2-D x and a 2-D int32 qweight, got {tuple(x.shape)} and "
+                         f"{tuple(qweight.shape)} {qweight.dtype}")
+    n, k = qweight.shape[0], x.shape[1]
+    if qweight.shape[1] * 8 != padded_k(k) or qweight.stride(1) != 1:
+        raise ValueError(f"qweight {tuple(qweight.shape)} is not the contiguous plane layout of K = {k}")
+    if group_size <= 0 or (group_size % PLANE and group_size < k):  # a 32-input plane lies in one group
+        raise ValueError(f"group_size must be a multiple of {PLANE} or cover all {k} inputs, got {group_size}")
+    groups = -(-k // group_size)
+    if scales.shape != (groups, n) or not scales.is_contiguous():
+        raise ValueError(f"scales must be contiguous ({groups}, {n}), got {tuple(scales.shape)}")
+    if zeros is not None and (zeros.shape != (groups, n) or not zeros.is_contiguous()):
+        raise ValueError(f"zeros must be contiguous ({groups}, {n}), got {tuple(zeros.shape)}")
+    if x.is_cuda and x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"w4a16 runs bf16 or fp16 activations on the GPU, got {x.dtype}")
+
+
+def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+               group_size: int, bias: torch.Tensor | None = None, *, config: W4Config | None = None,
+               locks: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M <= 16, K) -> (M, N). A split-K config needs `locks`: int32 zeros on x's device, at least
+    `gemv_lock_count`, used by no other call at the same time (layers own one buffer each); None: fresh ones."""
+    _check(x, qweight, scales, zeros, group_size)
+    m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
+    if not 0 < m <= _ROWS:
+        raise ValueError(f"w4a16_gemv takes 1..{_ROWS} rows, got {m}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    cfg = config or gemv_config(n, k)
+    blocks = triton.cdiv(k, BLOCK_K)
+    per_split = triton.cdiv(blocks, cfg.split_k)
+    split = triton.cdiv(blocks, per_split)  # no empty splits
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = out
+    if split > 1:
+        part = torch.empty((split, _ROWS, n), dtype=torch.float32, device=x.device)
+        need = gemv_lock_count(n, cfg)
+        if locks is None:
+            locks = torch.zeros(need, dtype=torch.int32, device=x.device)
+        elif locks.dtype != torch.int32 or locks.numel() < need or locks.device != x.device:
+            raise ValueError(f"locks must be >= {need} int32 zeros on {x.device}")
+    _w4a16_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, out,
+        part, locks if split > 1 else out, m, n, k, scales.shape[0], per_split, split,
+        x.stride(0), qweight.stride(0), out.stride(0),
+        GROUP=group_size, ROWS=_ROWS, BLOCK_N=cfg.block_n, HAS_ZERO=zeros is not None, ZERO=SYMMETRIC_ZERO,
+        HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=k % BLOCK_K == 0, SWAP=cfg.swap,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+               group_size: int, bias: torch.Tensor | None = None, *,
+               config: W4Config | None = None) -> torch.Tensor:
+    """x (M, K) -> (M, N) for any M (prefill)."""
+    _check(x, qweight, scales, zeros, group_size)
+    m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
+    x = x if x.stride(1) == 1 else x.contiguous()
+    cfg = config or gemm_config(m, n)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    _w4a16_gemm_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))](
+        x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, out,
+        m, n, k, scales.shape[0], x.stride(0), qweight.stride(0), out.stride(0),
+        GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_ZERO=zeros is not None,
+        ZERO=SYMMETRIC_ZERO, HAS_BIAS=bias is not None, EVEN_K=k % BLOCK_K == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
