@@ -4,15 +4,12 @@ must equal those of a float model holding the same dequantized weights; formats 
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 import torch
 
 from flashvlm import LLM, SamplingParams
 from flashvlm.config import ConfigError
-from flashvlm.quant import plan, registry
 from flashvlm.quant.base import QuantFormatError
 from flashvlm.quant.int4 import Int4Linear
 from flashvlm.testing.quantized_int4 import write_int4_checkpoint
@@ -22,13 +19,6 @@ IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPT = {"prompt": IMG + "What is this?", "images": [np.random.default_rng(1).integers(0, 256, (56, 84, 3),
                                                                                          dtype=np.uint8)]}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True)
-def _registered_methods(monkeypatch):
-    """Where the other methods' modules are not in this tree, the plan asks the int4 method alone."""
-    if any(importlib.util.find_spec(module) is None for module, _ in registry._METHODS.values()):
-        monkeypatch.setattr(plan, "all_methods", lambda: [registry.get_method("int4")])
 
 
 @pytest.fixture(scope="module")

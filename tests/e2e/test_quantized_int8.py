@@ -15,10 +15,8 @@ import torch
 
 from flashvlm import LLM, SamplingParams
 from flashvlm.config import ConfigError
-from flashvlm.quant import plan as plan_module
 from flashvlm.quant.base import QuantFormatError
 from flashvlm.quant.int8 import Int8Linear
-from flashvlm.quant.registry import QUANTIZATION_CHOICES, get_method
 from flashvlm.testing.quantized_int8 import STATIC_INPUT_SCALES, build_int8_qwen2_vl
 from flashvlm.testing.tiny_checkpoints import build_qwen2_vl
 
@@ -28,15 +26,6 @@ PROMPTS = [{"prompt": IMG + "What is this?",
            {"prompt": "How many triangles are in the picture?"}]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 _PROJ = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)$")
-
-
-@pytest.fixture(autouse=True)
-def methods_present(monkeypatch):
-    """Reading a checkpoint asks every registered method; only those whose modules exist in this tree answer."""
-    import importlib.util
-
-    present = [n for n in QUANTIZATION_CHOICES if importlib.util.find_spec(f"flashvlm.quant.{n}") is not None]
-    monkeypatch.setattr(plan_module, "all_methods", lambda: [get_method(n) for n in present])
 
 
 def _run(path, **kw) -> tuple[LLM, list[list[int]], list[torch.Tensor]]:
