@@ -10,9 +10,9 @@ bf16) with each FP8 variant's error against `fp8_gemv_reference`; JSON in $OUT/f
                                                            # own check; its times mean nothing
 
 The whole grid compiles ~50 configs per shape: run one or two SHAPES per call to stay within 10 minutes.
-Timing as scripts/gpu_gemv.py: each variant is captured in a CUDA graph of REPEAT calls that cycle through copies
+Timing is scripts/gpu_gemv.py's: each variant is captured in a CUDA graph of REPEAT calls that cycle through copies
 of the weights (> 200 MB in all, so no call finds its matrix in the 50 MB L2), replayed after a warm-up; per
-call time is the replay time over REPEAT. Variants: `fp8 default` is fp8_gemv as the layers call it (its
+call time is the replay time over its REPEAT (24). Variants: `fp8 default` is fp8_gemv as the layers call it (its
 activation quantization included: fused up to fuse_max_rows rows, a separate launch above); `fused` and
 `separate` force either; `scaled_mm` is cuBLAS alone on x already quantized, `quant+scaled_mm` adds our
 quantization launch, as the prefill path runs it.
@@ -37,8 +37,11 @@ from flashvlm.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv, fp8_gemv_config, 
 from flashvlm.kernels.fp8_quant import quantize_fp8_per_token  # noqa: E402
 from flashvlm.kernels.gemv import gemv_triton  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_gemv  # noqa: E402  (its graph timing)
+
 DEVICE = "cpu" if SMOKE else "cuda"
-REPEAT = 2 if SMOKE else 24
+REPEAT = 2
 SHAPES = {  # name: (N, K, bias)
     "qkv": (4608, 3584, True),
     "o_proj": (3584, 3584, False),
@@ -57,34 +60,14 @@ SMOKE_GRID = [Fp8GemvConfig(16, 32, 2), Fp8GemvConfig(32, 64, 1, dot="f16"), Fp8
 
 
 def graph_us(fn, copies: int) -> float:
-    """Per call us of fn(i), i cycling over the weight copies: CUDA-graph replays (on the CPU: one wall-clock
-    pass, only to run the code)."""
-    if SMOKE:
-        start = time.perf_counter()
-        for i in range(REPEAT):
-            fn(i % copies)
-        return (time.perf_counter() - start) * 1e6 / REPEAT
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(copies):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(REPEAT):
-            fn(i % copies)
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(7):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / REPEAT)
-    return sorted(times)[len(times) // 2]
+    """Per call us of fn(i), i cycling over the weight copies: scripts/gpu_gemv.py's CUDA-graph replays (on the
+    CPU: one wall-clock pass, only to run the code)."""
+    if not SMOKE:
+        return gpu_gemv.graph_us(fn, copies)
+    start = time.perf_counter()
+    for i in range(REPEAT):
+        fn(i % copies)
+    return (time.perf_counter() - start) * 1e6 / REPEAT
 
 
 def make_weights(n: int, k: int, has_bias: bool) -> dict:

@@ -33,6 +33,7 @@ from flashvlm.kernels.fp8_quant import (
     quantize_fp8_per_token_reference,
     quantize_tile,
 )
+from flashvlm.kernels.gemv import gemv_shapes, load_gemv_tiles, split_k_buffers, split_k_gather
 
 __all__ = ["Fp8GemvConfig", "fp8_gemv", "fp8_gemv_config", "fp8_gemv_lock_count", "fp8_gemv_reference"]
 
@@ -110,14 +111,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, xs_ptr, out_ptr, part_ptr, loc
     k_end = tl.minimum(K, k_start + k_per_split)
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:  # K and k_per_split are multiples of BLOCK_K: only the column edge is masked
-            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None], other=0.0)
-            x_mask = row_ok[:, None]
-        else:
-            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < k_end)[None, :], other=0.0)
-            x_mask = row_ok[:, None] & (ks < k_end)[None, :]
-        q = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+        w, q = load_gemv_tiles(w_rows, x_rows, k0 + tl.arange(0, BLOCK_K), k_end, col_ok, row_ok, EVEN_K)
         if X_MODE != 2:
             q = quantize_tile(q.to(tl.float32), inv_scale, ROUND_BITS)
         if DOT == 0:
@@ -132,17 +126,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, xs_ptr, out_ptr, part_ptr, loc
     if not SPLIT:
         tl.store(outs, _dequantize(acc, x_scale, ws_ptr, b_ptr, cols, col_ok, HAS_BIAS).to(ty), mask=out_mask)
     else:
-        parts = part_ptr + rows[:, None] * N + cols[None, :]  # workspace (num_splits, ROWS, N), float32
-        tl.store(parts + pid_k * ROWS * N, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is written before the arrival is published
-        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:  # the last program of this column block adds the partials, in split order
-            total = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-            for s in range(num_splits):
-                total += tl.load(parts + s * ROWS * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-            y = _dequantize(total, x_scale, ws_ptr, b_ptr, cols, col_ok, HAS_BIAS)
-            tl.store(outs, y.to(ty), mask=out_mask)
-            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next call
+        last, total = split_k_gather(acc, part_ptr, lock_ptr, pid_n, pid_k, num_splits, rows, cols, out_mask, N,
+                                     ROWS, BLOCK_N)
+        if last:
+            tl.store(outs, _dequantize(total, x_scale, ws_ptr, b_ptr, cols, col_ok, HAS_BIAS).to(ty), mask=out_mask)
 
 
 def fp8_gemv_config(n: int, k: int) -> Fp8GemvConfig:
@@ -162,17 +149,12 @@ def fp8_gemv_lock_count(n: int, config: Fp8GemvConfig) -> int:
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
            input_scale: torch.Tensor | None, cfg: Fp8GemvConfig) -> None:
-    if x.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"fp8_gemv takes 2-D x and weight, got {tuple(x.shape)} and {tuple(weight.shape)}")
-    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    if x.shape[1] != k:
-        raise ValueError(f"x has {x.shape[1]} columns; the weight takes {k}")
-    if not 0 < m <= _ROWS:
-        raise ValueError(f"fp8_gemv takes 1..{_ROWS} rows, got {m}")
+    """A ValueError naming what fp8_gemv cannot take (past gemv_shapes' checks)."""
+    m, n = x.shape[0], weight.shape[0]
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"fp8_gemv takes bf16 or fp16 activations, got {x.dtype}")
-    if weight.dtype != torch.float8_e4m3fn or weight.stride(1) != 1:
-        raise ValueError(f"fp8_gemv needs a float8_e4m3fn weight with contiguous rows, got {weight.dtype}")
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_gemv needs a float8_e4m3fn weight, got {weight.dtype}")
     if weight_scale.shape != (n,) or weight_scale.dtype != torch.float32:
         raise ValueError(f"weight_scale must be ({n},) float32, got {weight_scale.dtype} {tuple(weight_scale.shape)}")
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
@@ -194,7 +176,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
 
     A split-K config needs `locks`: int32 zeros on x's device, at least `fp8_gemv_lock_count` of them, not used by
     another call at the same time (the layers own one buffer each); None allocates fresh ones."""
-    m, n, k = x.shape[0], weight.shape[0], x.shape[-1]
+    m, n, k = gemv_shapes(x, weight, "fp8_gemv")
     cfg = config or fp8_gemv_config(n, k)
     _check(x, weight, weight_scale, bias, input_scale, cfg)
     round_bits = interpreter_active() if cfg.round_bits is None else cfg.round_bits
@@ -206,27 +188,17 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     if input_scale is None and m > cfg.fuse_max_rows:
         x, x_scale = quantize_fp8_per_token(x, round_bits=round_bits)
         x_mode = 2
-    steps = triton.cdiv(k, cfg.block_k)
-    k_per_split = triton.cdiv(steps, cfg.split_k) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)  # no empty splits
     rows = next_power_of_2(m) if cfg.dot == "fma" else _ROWS
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    part = out
-    if split > 1:
-        part = torch.empty((split, rows, n), dtype=torch.float32, device=x.device)
-        need = fp8_gemv_lock_count(n, cfg)
-        if locks is None:
-            locks = torch.zeros(need, dtype=torch.int32, device=x.device)
-        elif locks.dtype != torch.int32 or locks.numel() < need or locks.device != x.device:
-            raise ValueError(f"locks must be >= {need} int32 zeros on {x.device}")
+    k_per_split, split, part, locks = split_k_buffers(out, k, rows, cfg.block_k, cfg.split_k,
+                                                      fp8_gemv_lock_count(n, cfg), locks)
     pro_rows = next_power_of_2(m)
     _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, weight, weight_scale, bias if bias is not None else weight_scale, x_scale if x_scale is not None else
-        weight_scale, out, part, locks if split > 1 else out, m, n, k, k_per_split, split, x.stride(0),
-        weight.stride(0), out.stride(0), FP8_ACT_EPS,
-        ROWS=rows, PRO_ROWS=pro_rows, PRO_K=min(_PROLOGUE_ELEMENTS // pro_rows, next_power_of_2(k)),
+        weight_scale, out, part, locks, m, n, k, k_per_split, split, x.stride(0), weight.stride(0), out.stride(0),
+        FP8_ACT_EPS, ROWS=rows, PRO_ROWS=pro_rows, PRO_K=min(_PROLOGUE_ELEMENTS // pro_rows, next_power_of_2(k)),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_MODE=x_mode, DOT=_DOTS[cfg.dot], SPLIT=split > 1,
-        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0 and k_per_split % cfg.block_k == 0,
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         ROUND_BITS=round_bits, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
