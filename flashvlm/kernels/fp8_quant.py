@@ -29,7 +29,7 @@ FP8_MAX = 448.0
 """Largest finite float8_e4m3fn value."""
 FP8_ACT_EPS = 1e-12
 """Floor on a row's amax, so an all-zero row gets a finite scale (and quantizes to zeros)."""
-_MAX_BLOCK = 4096
+_MAX_BLOCK = 8192
 
 
 @triton.jit
@@ -100,7 +100,7 @@ def quantize_fp8_per_token(x: torch.Tensor, *, input_scale: torch.Tensor | None 
             x, q, scales, input_scale if input_scale is not None else scales, k, x.stride(0), q.stride(0),
             FP8_ACT_EPS, BLOCK=block, STATIC=input_scale is not None,
             ROUND_BITS=interpreter_active() if round_bits is None else round_bits,
-            num_warps=8 if block >= 2048 else 4,
+            num_warps=8 if block >= 4096 else 4,
         )
     return q, scales
 

@@ -77,8 +77,9 @@ def _check_close(out: torch.Tensor, x, w, ws, b, input_scale) -> None:
 @pytest.mark.parametrize("device,round_bits", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_quantize_per_token_matches_reference_bytes(device, round_bits, dtype, static):
-    x = _activations(9, 300, dtype, device, seed=3 + static)
+@pytest.mark.parametrize("k", [300, 9000])  # one block, and several (the kernel's blocks are at most 8192)
+def test_quantize_per_token_matches_reference_bytes(device, round_bits, dtype, static, k):
+    x = _activations(9, k, dtype, device, seed=3 + static)
     input_scale = None
     if static:  # small enough that the large rows clamp at +-448
         input_scale = torch.tensor([0.05], device=device)
@@ -122,13 +123,21 @@ CASES = [
     (1, True, False, None),
     (1, False, False, Fp8GemvConfig(32, 64, split_k=3)),
     (1, True, False, Fp8GemvConfig(32, 64, dot="fma")),
-    (3, False, False, Fp8GemvConfig(16, 32, split_k=4, dot="f16")),
+    (3, False, False, Fp8GemvConfig(32, 64, split_k=4, dot="f16")),
     (3, True, True, Fp8GemvConfig(32, 128, split_k=2)),
     (3, True, False, Fp8GemvConfig(32, 64, split_k=2, dot="fma")),
     (16, True, False, None),
     (16, False, False, Fp8GemvConfig(32, 64, split_k=2, fuse_max_rows=16)),
     (16, False, True, Fp8GemvConfig(64, 64, dot="f16")),
 ]
+
+
+@pytest.mark.parametrize("device,round_bits", DEVICES)
+@pytest.mark.parametrize("rows", [4, 16])
+def test_fp8_gemv_long_rows(device, round_bits, rows):
+    """K past one step of the fused amax pass (4 loads of 4096 / rows elements, rows rounded to a power of two)."""
+    _run_and_check(device, round_bits, torch.bfloat16, rows, True, False,
+                   Fp8GemvConfig(32, 256, split_k=2, fuse_max_rows=16), n=40, k=(4 * 4096) // rows + 300)
 
 
 def _run_and_check(device, round_bits, dtype, rows, bias, static, config, n=100, k=300, seed=0):
