@@ -75,8 +75,10 @@ def make_weights(n: int, k: int, has_bias: bool) -> dict:
     g = torch.Generator(device=DEVICE).manual_seed(n + k)
     w8 = [(torch.randn(n, k, device=DEVICE, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
           for _ in range(copies)]
-    w16 = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(copies)]
-    return {"copies": copies, "w8": w8, "w16": w16[:max(2, copies // 2)],
+    # bf16 copies: as many bytes past L2 with half as many matrices
+    w16 = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16, generator=g) * 0.02
+           for _ in range(max(2, copies // 2))]
+    return {"copies": copies, "w8": w8, "w16": w16,
             "scale": torch.rand(n, device=DEVICE, generator=g) * 1e-3 + 1e-4,
             "bias": torch.randn(n, device=DEVICE, dtype=torch.bfloat16, generator=g) if has_bias else None,
             "locks": torch.zeros(-(-n // 16), dtype=torch.int32, device=DEVICE)}

@@ -163,16 +163,16 @@ def test_fp8_gemv_matches_reference(device, round_bits, rows, bias, static, conf
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device,round_bits", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("rows", [1, 5, 16])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("config", [None, Fp8GemvConfig(16, 32, split_k=8, num_stages=2),
                                     Fp8GemvConfig(32, 64, split_k=2, dot="f16", fuse_max_rows=1),
                                     Fp8GemvConfig(32, 64, dot="fma")], ids=["default", "split8", "f16", "fma"])
-def test_fp8_gemv_grid(device, round_bits, dtype, rows, static, config):
+def test_fp8_gemv_grid(device, round_bits, rows, static, config):
     if config is not None and config.dot == "fma" and rows > 4:
         pytest.skip("the multiply-add product takes up to 4 rows")
-    _run_and_check(device, round_bits, dtype, rows, True, static, config, n=257, k=1000, seed=7)
+    dtype = torch.float16 if rows == 5 else torch.bfloat16
+    _run_and_check(device, round_bits, dtype, rows, True, static, config, n=200, k=700, seed=7)
 
 
 def test_fp8_gemv_rejects_bad_inputs():
