@@ -65,12 +65,21 @@ def _weights(n: int, k: int, device: str, seed: int, bias_dtype: torch.dtype | N
     return w.to(device), ws.to(device), None if b is None else b.to(device)
 
 
-def _check_close(out: torch.Tensor, x, w, ws, b, input_scale) -> None:
-    """Against the reference's float32 value before its final rounding: the kernels sum in another order, and
-    the interpreter's bf16 conversion truncates, so one output ulp (plus float32 summation noise) is allowed."""
+def _check_close(out: torch.Tensor, x, w, ws, b, input_scale, dot: str) -> None:
+    """Against the reference's float32 value before its final rounding, computed on the CPU: the kernels sum in
+    another order, and the interpreter's bf16 conversion truncates, so one output ulp (plus float32 summation
+    noise) is allowed. Compiled e4m3 tensor-core products may accumulate with fewer bits than float32 (Hopper's
+    FP8 MMA is documented at ~14): there each element may also be off by 2^-12 of its terms' magnitude sum."""
+    x, w, ws, b = x.cpu(), w.cpu(), ws.cpu(), None if b is None else b.cpu()
+    input_scale = None if input_scale is None else input_scale.cpu()
     exact = fp8_gemv_reference(x.float(), w, ws, None if b is None else b.float(), input_scale=input_scale)
     ulp = 2.0**-7 if out.dtype == torch.bfloat16 else 2.0**-10
-    torch.testing.assert_close(out.float(), exact, rtol=ulp, atol=1e-5 * exact.abs().max().item() + 1e-30)
+    bound = ulp * exact.abs() + 1e-5 * exact.abs().max() + 1e-30
+    if out.is_cuda and dot == "fp8":
+        q, scales = quantize_fp8_per_token_reference(x, input_scale)
+        bound += 2.0**-12 * (q.float().abs() @ w.float().abs().t()) * scales * ws[None, :]
+    err = (out.float().cpu() - exact).abs()
+    assert (err <= bound).all(), f"max error {err.max().item():.3g}, {(err > bound).sum().item()} elements over"
     assert torch.equal(fp8_gemv_reference(x, w, ws, b, input_scale=input_scale), exact.to(out.dtype))
 
 
@@ -149,7 +158,7 @@ def _run_and_check(device, round_bits, dtype, rows, bias, static, config, n=100,
     out = fp8_gemv(x, w, ws, b, input_scale=input_scale, locks=locks, config=cfg)
     assert out.shape == (rows, n) and out.dtype == dtype
     assert not locks.any()  # the last program of each column block reset its counter
-    _check_close(out, x, w, ws, b, input_scale)
+    _check_close(out, x, w, ws, b, input_scale, cfg.dot)
     if cfg.split_k > 1:  # the counters were reusable, and the split sums in a fixed order
         assert torch.equal(fp8_gemv(x, w, ws, b, input_scale=input_scale, locks=locks, config=cfg), out)
 
