@@ -9,7 +9,7 @@ bf16) with each FP8 variant's error against `fp8_gemv_reference`; JSON in $OUT/f
                                                            # ROWS=1,3 SHAPES=qkv,down, ~2 min): the script's
                                                            # own check; its times mean nothing
 
-The whole grid compiles ~50 configs per shape: run one or two SHAPES per call to stay within 10 minutes.
+The whole grid compiles ~60 configs per shape: run one or two SHAPES per call to stay within 10 minutes.
 Timing is scripts/gpu_gemv.py's: each variant is captured in a CUDA graph of REPEAT calls that cycle through copies
 of the weights (> 200 MB in all, so no call finds its matrix in the 50 MB L2), replayed after a warm-up; per
 call time is the replay time over its REPEAT (24). Variants: `fp8 default` is fp8_gemv as the layers call it (its
@@ -54,6 +54,8 @@ GRID = (
     [Fp8GemvConfig(bn, bk, split, 4, 3, dot) for dot in ("fp8", "f16") for bn in (32, 64, 128) for bk in (256, 512)
      for split in (1, 2, 4)]
     + [Fp8GemvConfig(bn, 256, split, 4, 4, "fp8") for bn in (32, 64, 128) for split in (1, 2, 4)]
+    + [Fp8GemvConfig(16, 512, split, 4, 3, "fp8") for split in (1, 2, 4)]
+    + [Fp8GemvConfig(128, bk, split, 8, 3, "fp8") for bk in (256, 512) for split in (1, 2)]
     + [Fp8GemvConfig(bn, bk, split, 4, 3, "fma") for bn, bk in ((16, 256), (32, 256)) for split in (1, 2)]
 )
 SMOKE_GRID = [Fp8GemvConfig(16, 32, 2), Fp8GemvConfig(32, 64, 1, dot="f16"), Fp8GemvConfig(16, 64, 2, dot="fma")]

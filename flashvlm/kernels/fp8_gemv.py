@@ -13,7 +13,8 @@ first (`quantize_fp8_per_token`) and the GEMV reads e4m3 x. A static input scale
 
 The product of a tile, `dot`: "fp8" is tl.dot on the e4m3 tiles (rows padded to 16, the tensor cores' smallest
 M); "f16" widens both e4m3 tiles to fp16 (exact) for a fp16 tl.dot; "fma" is a float32 multiply-add reduction
-without the padding (up to 4 rows). All three multiply exact e4m3 values and accumulate in float32.
+without the padding (up to 4 rows). All three multiply exact e4m3 values and accumulate in float32 (Hopper's
+fp8 tensor cores are reported to keep fewer bits inside an accumulation: the tests allow 2^-12 of the terms).
 
 Reference: `fp8_gemv_reference`.
 """
@@ -53,7 +54,8 @@ class Fp8GemvConfig(NamedTuple):
     dot: str = "fp8"
     """"fp8", "f16" or "fma" (see the module docstring)."""
     fuse_max_rows: int = 4
-    """Dynamic quantization inside the GEMV up to this many rows; more rows quantize x in a launch before it."""
+    """Dynamic quantization inside the GEMV up to this many rows; more rows quantize x in a launch before it
+    (at 16 rows each program of the down projection would re-read 600 KB of x for its amax)."""
     round_bits: bool | None = None
     """Round to e4m3 in float32 arithmetic before the conversion (kernels/fp8_quant.py); None: only under the
     interpreter, whose conversion rounds wrongly."""
@@ -138,10 +140,11 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, xs_ptr, out_ptr, part_ptr, loc
 
 
 def fp8_gemv_config(n: int, k: int) -> Fp8GemvConfig:
-    """Tile config for a (<= 16 rows) x (k x n) e4m3 product. Not yet measured (scripts/gpu_fp8_gemv.py sweeps
-    the alternatives): the bf16 GEMV's measured choices at the same bytes per tile, since streaming is the whole
-    cost. Its 64 x 128 bf16 tiles for wide matrices become 64 x 256 e4m3, its 64 x 256 for narrow ones 64 x 512
-    (3 stages: the bf16 x tile, 16 KB a stage, rides along); K split in two with fewer than 64 column blocks."""
+    """Tile config for a (<= 16 rows) x (k x n) e4m3 product, reasoned rather than measured
+    (scripts/gpu_fp8_gemv.py sweeps the alternatives): the bf16 GEMV's measured choices at the same bytes per
+    tile, since streaming is the whole cost. Its 64 x 128 bf16 tiles for wide matrices become 64 x 256 e4m3,
+    its 64 x 256 for narrow ones 64 x 512 (3 stages, not 4: the bf16 x tile, 16 KB a stage, rides along); K
+    split in two with fewer than 64 column blocks."""
     if n >= 16384:
         return Fp8GemvConfig(64, 256, 1, 4, 3)
     return Fp8GemvConfig(64, 512, 2 if triton.cdiv(n, 64) < 64 and k >= 1024 else 1, 4, 3)

@@ -69,7 +69,7 @@ def _check_close(out: torch.Tensor, x, w, ws, b, input_scale, dot: str) -> None:
     """Against the reference's float32 value before its final rounding, computed on the CPU: the kernels sum in
     another order, and the interpreter's bf16 conversion truncates, so one output ulp (plus float32 summation
     noise) is allowed. Compiled e4m3 tensor-core products may accumulate with fewer bits than float32 (Hopper's
-    FP8 MMA is documented at ~14): there each element may also be off by 2^-12 of its terms' magnitude sum."""
+    FP8 MMA is reported to keep about 14): there each element may also be off by 2^-12 of its terms' magnitude sum."""
     x, w, ws, b = x.cpu(), w.cpu(), ws.cpu(), None if b is None else b.cpu()
     input_scale = None if input_scale is None else input_scale.cpu()
     exact = fp8_gemv_reference(x.float(), w, ws, None if b is None else b.float(), input_scale=input_scale)
