@@ -39,6 +39,37 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
+def load_gemv_tiles(w_rows, x_rows, ks, k_end, col_ok, row_ok, EVEN_K: tl.constexpr):
+    """The (BLOCK_N, BLOCK_K) weight tile and the (ROWS, BLOCK_K) x tile at columns `ks` (zeros outside)."""
+    if EVEN_K:  # K and k_per_split are multiples of BLOCK_K: only the column edge is masked
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None], other=0.0)
+        x_mask = row_ok[:, None]
+    else:
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < k_end)[None, :], other=0.0)
+        x_mask = row_ok[:, None] & (ks < k_end)[None, :]
+    return w, tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+
+
+@triton.jit
+def split_k_gather(acc, part_ptr, lock_ptr, pid_n, pid_k, num_splits, rows, cols, out_mask, N,
+                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Publishes this split's partial sums (float32 workspace (num_splits, ROWS, N)) and arrives at its column
+    block's counter. Returns (last, total): whether this program arrived last and, if so, every split's partial
+    added in split order (its counter then reset, ready for the next call); the caller writes the output."""
+    parts = part_ptr + rows[:, None] * N + cols[None, :]
+    tl.store(parts + pid_k * ROWS * N, acc, mask=out_mask)
+    tl.debug_barrier()  # every thread's partial is written before the arrival is published
+    arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    last = arrived == num_splits - 1
+    total = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    if last:
+        for s in range(num_splits):
+            total += tl.load(parts + s * ROWS * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # no program of this call reads it again
+    return last, total
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, k_per_split, num_splits,
                  x_stride, w_stride, out_stride,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
@@ -56,14 +87,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, k_pe
     k_end = tl.minimum(K, k_start + k_per_split)
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:  # K and k_per_split are multiples of BLOCK_K: only the column edge is masked
-            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None], other=0.0)
-            x_mask = row_ok[:, None]
-        else:
-            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < k_end)[None, :], other=0.0)
-            x_mask = row_ok[:, None] & (ks < k_end)[None, :]
-        x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+        w, x = load_gemv_tiles(w_rows, x_rows, k0 + tl.arange(0, BLOCK_K), k_end, col_ok, row_ok, EVEN_K)
         acc = tl.dot(x, tl.trans(w), acc)
     out_mask = row_ok[:, None] & col_ok[None, :]
     if not SPLIT:
@@ -71,18 +95,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, k_pe
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], acc.to(ty), mask=out_mask)
     else:
-        parts = part_ptr + rows[:, None] * N + cols[None, :]  # workspace (num_splits, ROWS, N), float32
-        tl.store(parts + pid_k * ROWS * N, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is written before the arrival is published
-        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:  # the last program of this column block adds the partials, in split order
-            total = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-            for s in range(num_splits):
-                total += tl.load(parts + s * ROWS * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+        last, total = split_k_gather(acc, part_ptr, lock_ptr, pid_n, pid_k, num_splits, rows, cols, out_mask, N,
+                                     ROWS, BLOCK_N)
+        if last:
             if HAS_BIAS:
                 total += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], total.to(ty), mask=out_mask)
-            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
 def gemv_config(n: int, k: int) -> GemvConfig:
@@ -100,6 +118,37 @@ def gemv_lock_count(n: int, config: GemvConfig) -> int:
     return triton.cdiv(n, config.block_n)
 
 
+def gemv_shapes(x: torch.Tensor, weight: torch.Tensor, kernel: str) -> tuple[int, int, int]:
+    """(M, N, K) of a skinny product, or a ValueError naming what `kernel` cannot take: operands not 2-D, K that
+    differ, rows outside 1..16, weight rows not contiguous."""
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"{kernel} takes 2-D x and weight, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns; the weight takes {k}")
+    if not 0 < m <= _ROWS:
+        raise ValueError(f"{kernel} takes 1..{_ROWS} rows, got {m}")
+    if weight.stride(1) != 1:
+        raise ValueError(f"{kernel} needs a weight whose rows are contiguous")
+    return m, n, k
+
+
+def split_k_buffers(out: torch.Tensor, k: int, rows: int, block_k: int, split_k: int, lock_count: int,
+                    locks: torch.Tensor | None) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """(K per split, splits, float32 partials workspace (splits, rows, N), arrival counters) for a launch writing
+    `out` (M, N); without a split, both buffers are `out` (unused). No split is left empty."""
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k
+    split = triton.cdiv(k, k_per_split)
+    if split == 1:
+        return k_per_split, 1, out, out
+    if locks is None:
+        locks = torch.zeros(lock_count, dtype=torch.int32, device=out.device)
+    elif locks.dtype != torch.int32 or locks.numel() < lock_count or locks.device != out.device:
+        raise ValueError(f"locks must be >= {lock_count} int32 zeros on {out.device}")
+    part = torch.empty((split, rows, out.shape[1]), dtype=torch.float32, device=out.device)
+    return k_per_split, split, part, locks
+
+
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                 config: GemvConfig | None = None,
                 locks: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,34 +156,17 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
     A split-K config needs `locks`: int32 zeros on x's device, at least `gemv_lock_count` of them, not used by
     another call at the same time (the layers own one buffer each); None allocates fresh ones."""
-    if x.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"gemv takes 2-D x and weight, got {tuple(x.shape)} and {tuple(weight.shape)}")
-    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    if x.shape[1] != k:
-        raise ValueError(f"x has {x.shape[1]} columns; the weight takes {k}")
-    if not 0 < m <= _ROWS:
-        raise ValueError(f"gemv takes 1..{_ROWS} rows, got {m}")
+    m, n, k = gemv_shapes(x, weight, "gemv")
     if x.is_cuda and x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gemv runs bf16 or fp16 on the GPU (tl.dot would round {x.dtype} to TF32)")
-    if weight.stride(1) != 1:
-        raise ValueError("gemv needs a weight whose rows are contiguous")
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or gemv_config(n, k)
-    steps = triton.cdiv(k, cfg.block_k)
-    k_per_split = triton.cdiv(steps, cfg.split_k) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)  # no empty splits
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    part = out
-    if split > 1:
-        part = torch.empty((split, _ROWS, n), dtype=torch.float32, device=x.device)
-        need = gemv_lock_count(n, cfg)
-        if locks is None:
-            locks = torch.zeros(need, dtype=torch.int32, device=x.device)
-        elif locks.dtype != torch.int32 or locks.numel() < need or locks.device != x.device:
-            raise ValueError(f"locks must be >= {need} int32 zeros on {x.device}")
+    k_per_split, split, part, locks = split_k_buffers(out, k, _ROWS, cfg.block_k, cfg.split_k,
+                                                      gemv_lock_count(n, cfg), locks)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        x, weight, bias if bias is not None else weight, out, part, locks if split > 1 else out, m, n, k,
+        x, weight, bias if bias is not None else weight, out, part, locks, m, n, k,
         k_per_split, split, x.stride(0), weight.stride(0), out.stride(0),
         ROWS=_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, HAS_BIAS=bias is not None,
         EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
