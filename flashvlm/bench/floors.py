@@ -26,7 +26,8 @@ H200_BF16_FLOPS = 790e12
 @dataclass(frozen=True)
 class ModelCost:
     lm_weight_bytes: int
-    """Bytes of the language model's matrices read by one decode step (embedding excluded, lm_head included)."""
+    """Bytes of the language model's linear layers read by one decode step, as stored (quantized weights with
+    their scales; biases included; embedding excluded, lm_head included)."""
     lm_matmul_params: int
     """Parameters used in matrix products per token (lm_head excluded: only sampled rows use it)."""
     lm_head_params: int
@@ -39,33 +40,49 @@ class ModelCost:
     vit_width: int
 
 
-def _matrices(module: nn.Module | None) -> list[tuple[str, nn.Parameter]]:
+def _linear_layers(module: nn.Module | None) -> list[nn.Module]:
+    """Every linear layer under `module`, float (nn.Linear) or quantized (in_features/out_features and its own
+    tensors, in whatever storage dtype)."""
     if module is None:
         return []
-    return [(n, p) for n, p in module.named_parameters() if p.dim() >= 2]
+    return [m for m in module.modules()
+            if isinstance(m, nn.Linear) or (hasattr(m, "in_features") and hasattr(m, "out_sizes"))]
 
 
-def model_cost(model: nn.Module) -> ModelCost:
-    """Works on flashvlm VLModel instances (language_model + visual / vision_tower + projector)."""
+def _matmul_params(layers: list[nn.Module]) -> int:
+    """Weights used in products: in x out per layer (a 4-bit layer's packed words hold 8 of them)."""
+    return sum(m.in_features * m.out_features for m in layers)
+
+
+def _stored_bytes(layers: list[nn.Module]) -> int:
+    """Bytes a product reads: every tensor of each layer (weights, scales, zero points, bias) as stored."""
+    return sum(p.numel() * p.element_size() for m in layers for p in m.parameters(recurse=False))
+
+
+def model_cost(model: nn.Module, kv_element_size: int | None = None) -> ModelCost:
+    """Works on flashvlm VLModel instances (language_model + visual / vision_tower + projector), with float or
+    quantized linear layers. kv_element_size: bytes per KV cache element (None: the model dtype's)."""
     lm = model.language_model
     spec = model.kv_cache_spec()
     attn = lm.layers[0].self_attn
-    lm_mats = [(n, p) for n, p in _matrices(lm) if "embed_tokens" not in n]
+    lm_layers = _linear_layers(lm)
     head = getattr(model, "lm_head", None)
     head_params = head.weight.numel() if head is not None else lm.embed_tokens.weight.numel()
-    elem = next(lm.parameters()).element_size()
+    head_bytes = _stored_bytes([head]) if head is not None else lm.embed_tokens.weight.numel() * \
+        lm.embed_tokens.weight.element_size()
+    kv_elem = kv_element_size or lm.embed_tokens.weight.element_size()
     vision = getattr(model, "visual", None) or getattr(model, "vision_tower", None)
-    vit_params = sum(p.numel() for _, p in _matrices(vision))
-    vit_params += sum(p.numel() for _, p in _matrices(getattr(model, "multi_modal_projector", None)))
+    vit_params = _matmul_params(_linear_layers(vision) + _linear_layers(getattr(model, "multi_modal_projector",
+                                                                                None)))
     vc = model.config.vision_config
     depth = int(getattr(vc, "depth", None) or getattr(vc, "num_hidden_layers", 0))
     # Qwen2-VL names the ViT width embed_dim (its hidden_size is the merger's output); others hidden_size.
     width = int(getattr(vc, "embed_dim", None) or vc.hidden_size)
     return ModelCost(
-        lm_weight_bytes=(sum(p.numel() for _, p in lm_mats) + head_params) * elem,
-        lm_matmul_params=sum(p.numel() for _, p in lm_mats), lm_head_params=head_params,
+        lm_weight_bytes=_stored_bytes(lm_layers) + head_bytes,
+        lm_matmul_params=_matmul_params(lm_layers), lm_head_params=head_params,
         num_layers=spec.num_layers, num_heads=attn.num_heads, head_dim=spec.head_dim,
-        kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * elem,
+        kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_elem,
         vit_matmul_params=vit_params, vit_depth=depth, vit_width=width)
 
 

@@ -118,3 +118,32 @@ def test_qwen2_vl_7b_workload_floors_match_the_benchmark_notes(qwen7b_cost: Mode
     assert f.decode_weight_bytes == f.decode_steps * qwen7b_cost.lm_weight_bytes
     # Prefill and the ViT are most of the floor: the workload is compute-bound.
     assert f.compute_s > 5 * f.memory_s
+
+
+@pytest.mark.parametrize(("method", "expected_gb"), [("fp8", 7.6), ("int4", 4.4)])
+def test_quantized_weight_bytes(method: str, expected_gb: float, tmp_path) -> None:
+    """A quantized model's decode reads its weights as stored: FP8 linears with a bf16 head are 7.6 GB a token on
+    the Qwen2-VL-7B config, INT4 (groups of 128, bf16 scales) about 4.4 GB; products keep their parameter count."""
+    from transformers import AutoConfig
+
+    from flashvlm.models.registry import resolve_family
+    from flashvlm.quant.apply import _replace, float_targets
+    from flashvlm.quant.registry import get_method
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_VL_7B))
+    config = AutoConfig.from_pretrained(tmp_path)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = resolve_family(config.architectures).model_class()(config)
+    finally:
+        torch.set_default_dtype(previous)
+    float_cost = model_cost(model)
+    quant = get_method(method)
+    for name in float_targets(model, quantize_vision=False):
+        _replace(model, name, quant.empty_layer(model.get_submodule(name), quant.default_scheme()))
+    cost = model_cost(model)
+    assert cost.lm_matmul_params == float_cost.lm_matmul_params
+    assert cost.lm_weight_bytes / 1e9 == pytest.approx(expected_gb, rel=0.03)
+    assert cost.lm_weight_bytes < float_cost.lm_weight_bytes
