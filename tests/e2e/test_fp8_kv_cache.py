@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from flashvlm import LLM, SamplingParams
 from flashvlm.attention.kv_quant import FP8_KV_DTYPE, dequantize_kv, quantize_kv
 from flashvlm.attention.reference import ReferenceBackend
+from flashvlm.bench.scenarios import engine_config_dict
 from flashvlm.config import ConfigError
 from flashvlm.runner.kv_scales import attention_layers
 from flashvlm.testing.tiny_checkpoints import build_qwen2_vl
@@ -124,8 +125,9 @@ def test_triton_backend_reads_the_fp8_cache_as_the_reference_backend(ckpt: Path)
 def test_the_kv_budget_doubles_at_the_same_memory(ckpt: Path) -> None:
     """A bf16 model: its FP8 cache has twice the blocks in exactly the bytes of the bf16 cache (the CPU engine's
     budget is the memory of 8 max_model_len sequences in the model's dtype)."""
-    engines = {kv: LLM(str(ckpt), device="cpu", dtype="bfloat16", max_model_len=512, kv_cache_dtype=kv).engine
-               for kv in ("auto", "fp8")}
+    llms = {kv: LLM(str(ckpt), device="cpu", dtype="bfloat16", max_model_len=512, kv_cache_dtype=kv)
+            for kv in ("auto", "fp8")}
+    engines = {kv: llm.engine for kv, llm in llms.items()}
     auto, fp8 = engines["auto"], engines["fp8"]
     assert fp8.limits.num_kv_blocks == 2 * auto.limits.num_kv_blocks
     assert fp8.scheduler.block_manager.num_blocks == fp8.limits.num_kv_blocks
@@ -133,6 +135,10 @@ def test_the_kv_budget_doubles_at_the_same_memory(ckpt: Path) -> None:
     assert nbytes["fp8"] == nbytes["auto"]
     assert (auto.limits.kv_cache_dtype, auto.limits.kv_scale_source) == ("bfloat16", "none")
     assert (fp8.limits.kv_cache_dtype, fp8.limits.kv_scale_source) == ("float8_e4m3fn", "calibrated")
+    recorded = engine_config_dict(llms["fp8"])  # the engine config results.json records
+    assert recorded["cache"]["kv_cache_dtype"] == "fp8"
+    assert (recorded["limits"]["kv_cache_dtype"], recorded["limits"]["kv_scale_source"]) == ("float8_e4m3fn",
+                                                                                             "calibrated")
 
 
 # ---------------------------------------------------------------- scales from the checkpoint
