@@ -19,7 +19,7 @@ from flashvlm.attention.reference import ReferenceBackend
 from flashvlm.bench.scenarios import engine_config_dict
 from flashvlm.config import ConfigError
 from flashvlm.runner.kv_scales import attention_layers
-from flashvlm.testing.tiny_checkpoints import build_qwen2_vl
+from flashvlm.testing.tiny_checkpoints import build_llava, build_qwen2_vl
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True,
@@ -150,7 +150,7 @@ def with_kv_scales(path: Path, scales: dict[int, tuple[float, float]] | None, sc
     and config.json a quantization_config carrying the kv_cache_scheme."""
     weights = path / "model.safetensors"
     tensors = load_file(weights)
-    key_weights = sorted(n for n in tensors if n.endswith(".self_attn.k_proj.weight") and "visual" not in n)
+    key_weights = sorted(n for n in tensors if n.endswith(".self_attn.k_proj.weight") and "vis" not in n)
     for name in key_weights:
         layer = int(name.split(".layers.")[1].split(".")[0])
         if scales is None or layer not in scales:
@@ -170,8 +170,13 @@ def with_kv_scales(path: Path, scales: dict[int, tuple[float, float]] | None, sc
     return path
 
 
-def test_scales_come_from_the_checkpoint(tmp_path: Path, caplog) -> None:
-    path = with_kv_scales(build_qwen2_vl(tmp_path / "m", seed=2), {0: (0.0123, 0.25), 1: (0.07, 0.0031)})
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_scales_come_from_the_checkpoint(tmp_path: Path, caplog, family: str) -> None:
+    """Each decoder layer's scales reach its attention layer, under either family's checkpoint names (Qwen2-VL's
+    model.layers.N.self_attn.*, llava-hf's language_model.model.layers.N.self_attn.*), with no warning about
+    tensors left unloaded; the vision towers have no KV cache and get none."""
+    build = build_qwen2_vl if family == "qwen2_vl" else build_llava
+    path = with_kv_scales(build(tmp_path / "m", seed=2), {0: (0.0123, 0.25), 1: (0.07, 0.0031)})
     with caplog.at_level(logging.WARNING):
         llm = LLM(str(path), device="cpu", kv_cache_tokens=512, kv_cache_dtype="fp8")
     assert not [r for r in caplog.records if "not loaded" in r.getMessage()], "the scales were warned about"
