@@ -224,3 +224,33 @@ def test_per_head_scale_tensors_are_named(tmp_path: Path) -> None:
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ConfigError, match=r"k_scale has shape \(2, 1, 1\): flashvlm reads one K and one V scale"):
         LLM(str(path), device="cpu", kv_cache_tokens=512)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and FlashAttention-4 need a GPU")
+def test_on_a_gpu_graphs_read_the_scales_and_fa4_falls_back() -> None:
+    """The trained demo model in bf16 with an FP8 cache: FA4 (where it runs) leaves the LM's attention to the Triton
+    backend at start-up while the tower keeps its choice; decode and step graphs, which read the layers' scales by
+    address, give the eager engine's tokens; and the answers start as the reference backend's on the same scales."""
+    from flashvlm.models.default import default_model_path
+
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt": IMG * (k % 2) + f"question {k} " * (k + 1),
+                "images": [rng.integers(0, 256, (112, 84, 3), dtype=np.uint8)] * (k % 2)} for k in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    common = dict(device="cuda", dtype="bfloat16", kv_cache_tokens=8192, max_num_seqs=8, max_num_batched_tokens=256,
+                  kv_cache_dtype="fp8")
+    answers, engines = {}, {}
+    for name, kw in {"graphs": {}, "eager": dict(enforce_eager=True),
+                     "reference": dict(attention_backend="reference", enforce_eager=True)}.items():
+        llm = LLM(str(default_model_path()), **common, **kw)
+        engines[name] = llm
+        if name != "reference":
+            assert llm.engine.limits.attention_backend == "triton"
+            assert llm.engine.limits.vision_attention == llm.engine.config.vision_attention
+        else:
+            _copy_scales(engines["graphs"], llm)
+        assert llm.engine.limits.kv_scale_source == "calibrated"
+        answers[name] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert engines["graphs"].engine.runner.graphs is not None
+    assert answers["graphs"] == answers["eager"]
+    assert [a[:8] for a in answers["eager"]] == [a[:8] for a in answers["reference"]]
