@@ -43,6 +43,18 @@ def _group_caps(name: str, value: Any) -> str | None:
     return None
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+"""kv_cache_dtype's values: auto = the model's dtype; fp8 and its alias fp8_e4m3 = e4m3 with per-layer scales."""
+
+E5M2_REFUSAL = ("kv_cache_dtype 'fp8_e5m2' is not supported: an e5m2 KV cache at default scaling silently corrupts "
+                "Qwen2-VL output in other engines (it keeps two mantissa bits), and what flashvlm runs is e4m3 with "
+                "per-layer K and V scales: use kv_cache_dtype 'fp8' (alias 'fp8_e4m3')")
+
+
+def _kv_cache_dtype(name: str, value: Any) -> str | None:
+    return E5M2_REFUSAL if value == "fp8_e5m2" else None
+
+
 def _device(name: str, value: Any) -> str | None:
     ok = isinstance(value, str) and (value == "auto" or value.split(":")[0] in ("cpu", "cuda"))
     return None if ok else f"{name} must be 'cpu', 'cuda' or 'cuda:N', got {value!r}"
@@ -83,6 +95,12 @@ class CacheConfig:
                                                 "and KV cache")
     enable_prefix_caching: bool = option(True, help="reuse the KV of full blocks whose tokens (and images) match an "
                                                     "earlier request's prefix (docs/caching.md)")
+    kv_cache_dtype: str = option(
+        "auto", choices=KV_CACHE_DTYPES, check=_kv_cache_dtype,
+        help="the KV cache's storage: auto = the model's dtype; fp8 (alias fp8_e4m3) = FP8 e4m3 with one K and one V "
+             "scale per layer, from the checkpoint's kv_cache_scheme when it has one, else calibrated at start-up "
+             "(docs/quantization.md): twice the KV tokens of a bf16 cache in the same memory; FA4 prefill falls "
+             "back to our Triton kernel; fp8_e5m2 is refused")
     encoder_cache_tokens: int = option(8192, minimum=0,
                                        help="image tokens of vision embeddings kept for reuse once no request "
                                             "needs them (0: none kept)")
@@ -193,6 +211,13 @@ class EngineConfig:
 
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self._resolve_attention()
+        if c.kv_cache_dtype != "auto" and self.attention_backend != "reference":
+            from flashvlm.attention.kv_quant import fp8_kv_unavailable_reason
+
+            problem = fp8_kv_unavailable_reason(self.device)
+            if problem is not None:
+                raise ConfigError(f"kv_cache_dtype={c.kv_cache_dtype!r} with the {self.attention_backend} attention "
+                                  f"backend: {problem} (attention_backend 'reference' runs it in plain torch)")
         return self
 
     def _resolve_attention(self) -> None:
@@ -214,14 +239,18 @@ class EngineConfig:
 
     def attention_for_dtype(self, dtype: Any) -> tuple[str, str]:
         """The (language-model, vision) attention backends that run for a model of this dtype. FA4 takes bf16/fp16
-        only: for another dtype (float32) the LM's prefill goes to the Triton kernel and the tower to SDPA. The
-        config itself keeps what was asked for; the engine records the result in `EngineLimits`."""
+        only: for another dtype (float32) the LM's prefill goes to the Triton kernel and the tower to SDPA. FA4
+        cannot read an FP8 paged KV cache either: with kv_cache_dtype fp8 the LM's prefill goes to the Triton
+        kernel, the tower (no KV cache) keeps its choice. The config itself keeps what was asked for; the engine
+        records the result in `EngineLimits`."""
         from flashvlm.kernels.dispatch import FA4_DTYPES
 
-        if dtype in FA4_DTYPES:
-            return self.attention_backend, self.vision_attention
-        return ("triton" if self.attention_backend == "fa4" else self.attention_backend,
-                "sdpa" if self.vision_attention == "fa4" else self.vision_attention)
+        language, vision = self.attention_backend, self.vision_attention
+        if dtype not in FA4_DTYPES:
+            language, vision = ("triton" if language == "fa4" else language), ("sdpa" if vision == "fa4" else vision)
+        if self.cache.kv_cache_dtype != "auto" and language == "fa4":
+            language = "triton"
+        return language, vision
 
 
 @functools.cache

@@ -24,7 +24,8 @@ class Option:
     minimum: int | None = None
     """For integer options: the smallest value allowed (and the value must be an integer)."""
     check: Check | None = None
-    """A rule beyond choices and minimum (a power of two, a fraction, a dict of caps)."""
+    """A rule beyond choices and minimum (a power of two, a fraction, a dict of caps). For a value outside the
+    choices, its message (where it gives one) says why that value is refused instead of listing the choices."""
     nullable: bool = False
     """None is a valid value (options whose default is None: computed at start-up)."""
     cli: bool = True
@@ -37,7 +38,8 @@ class Option:
         if value is None and self.nullable:
             return None
         if self.choices and value not in self.choices:
-            return f"{name} must be {either(self.choices)}, got {value!r}"
+            refusal = self.check(name, value) if self.check is not None else None
+            return refusal or f"{name} must be {either(self.choices)}, got {value!r}"
         if self.minimum is not None:
             if isinstance(value, bool) or not isinstance(value, int):
                 return f"{name} must be an integer >= {self.minimum}, got {value!r}"

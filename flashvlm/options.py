@@ -53,7 +53,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kwargs["type"] = kind
         if opt.spec.choices:
             kwargs["choices"] = list(opt.spec.choices)
+            if opt.spec.check is not None:
+                kwargs["type"] = _refusing(opt)
         group.add_argument(opt.flag, **kwargs)
+
+
+def _refusing(opt: EngineOption) -> Any:
+    """A flag's text converter that refuses, with the option's own reason, a value its check explains (argparse
+    converts before it compares with the choices, so the user reads why rather than the list of choices)."""
+
+    def convert(text: str) -> str:
+        refusal = opt.spec.problem(opt.name, text) if text not in opt.spec.choices else None
+        if refusal is not None:
+            raise argparse.ArgumentTypeError(refusal)
+        return text
+
+    return convert
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:

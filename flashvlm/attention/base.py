@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashvlm.attention.kv_quant import is_fp8, quantize_kv, require_scales, scatter_into
+
 
 @dataclass
 class AttentionStep:
@@ -129,17 +131,23 @@ class AttentionBackend(ABC):
         buffers.seq_lens.zero_()
 
     # ---- the op --------------------------------------------------------------------------------
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        """kv_cache: (2, num_blocks, block_size, kv_heads, head_dim); k, v: (N, kv_heads, head_dim)."""
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+        """kv_cache: (2, num_blocks, block_size, kv_heads, head_dim); k, v: (N, kv_heads, head_dim). An FP8 cache
+        stores k / k_scale and v / v_scale (1-element float32 tensors, the layer's); other caches ignore them."""
         key_cache = kv_cache[0].view(-1, *kv_cache.shape[-2:])
         value_cache = kv_cache[1].view(-1, *kv_cache.shape[-2:])
-        key_cache.index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
-        value_cache.index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+        if is_fp8(kv_cache):
+            k_scale, v_scale = require_scales(k_scale, v_scale)
+            k, v = quantize_kv(k, k_scale), quantize_kv(v, v_scale)
+        scatter_into(key_cache, meta.slot_mapping, k.to(kv_cache.dtype))
+        scatter_into(value_cache, meta.slot_mapping, v.to(kv_cache.dtype))
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """q: (N, heads, head_dim) -> (N, heads, head_dim); causal over each sequence's context."""
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """q: (N, heads, head_dim) -> (N, heads, head_dim); causal over each sequence's context. An FP8 cache is
+        read as its stored values times k_scale / v_scale."""
 
 
 ATTENTION_BACKENDS: dict[str, str] = {

@@ -57,10 +57,11 @@ class FlashAttn4Backend(TritonBackend):
 
     name = "fa4"
 
-    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        if meta.is_pure_decode or not fa4_takes(q):  # e.g. a float32 model: our kernel
-            return super().forward(q, kv_cache, meta, scale)
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        # A float32 model or an FP8 cache (the engine already moves both off this backend at start-up): our kernel.
+        if meta.is_pure_decode or not fa4_takes(q) or kv_cache.dtype != q.dtype:
+            return super().forward(q, kv_cache, meta, scale, k_scale, v_scale)
         result = _varlen_func()(q, kv_cache[0], kv_cache[1], cu_seqlens_q=meta.query_start_loc,
                                 seqused_k=meta.seq_lens, page_table=meta.block_tables,
                                 max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len,

@@ -9,13 +9,16 @@ import torch
 import torch.nn.functional as F
 
 from flashvlm.attention.base import AttentionBackend, AttentionMetadata
+from flashvlm.attention.kv_quant import dequantize_kv, is_fp8, require_scales
 
 
 class ReferenceBackend(AttentionBackend):
     name = "reference"
 
-    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if is_fp8(kv_cache):
+            k_scale, v_scale = require_scales(k_scale, v_scale)
         out = torch.empty_like(q)
         num_heads, bs = q.shape[1], meta.block_size
         for i in range(meta.num_seqs):
@@ -25,6 +28,8 @@ class ReferenceBackend(AttentionBackend):
             blocks = meta.block_tables[i, : (seq_len + bs - 1) // bs].long()
             k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
             v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+            if is_fp8(kv_cache):
+                k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
             groups = num_heads // k.shape[1]
             if groups > 1:
                 k = k.repeat_interleave(groups, dim=1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from flashvlm.attention.base import AttentionBackend, AttentionMetadata, AttentionStep
+from flashvlm.attention.kv_quant import is_fp8, require_scales
 from flashvlm.kernels.dispatch import interpreter_active
 
 try:
@@ -42,18 +43,28 @@ class TritonBackend(AttentionBackend):
         """The shared metadata without host copies: forward reads device tensors and the two host bounds only."""
         return AttentionMetadata.of(step, query_start_loc_host=None, seq_lens_host=None)
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        kv_write(k, v, kv_cache, meta.slot_mapping)
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+        kv_write(k, v, kv_cache, meta.slot_mapping, *self._scales(kv_cache, k_scale, v_scale))
 
-    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         if not q.is_cuda and not interpreter_active():
             raise RuntimeError("the triton backend runs on CPU tensors only under TRITON_INTERPRET=1")
+        k_scale, v_scale = self._scales(kv_cache, k_scale, v_scale)
         if meta.is_pure_decode:
             num_splits = self.num_decode_splits(q.device, meta.seq_lens.shape[0], kv_cache.shape[3], meta.max_seq_len)
-            return paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, scale, num_splits=num_splits)
+            return paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, scale, num_splits=num_splits,
+                                k_scale=k_scale, v_scale=v_scale)
         return paged_prefill(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-                             max_query_len=meta.max_query_len)
+                             max_query_len=meta.max_query_len, k_scale=k_scale, v_scale=v_scale)
+
+    @staticmethod
+    def _scales(kv_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                v_scale: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The scales the kernels take: the layer's for an FP8 cache, none for a cache in the model's dtype (whose
+        kernels are compiled without them)."""
+        return require_scales(k_scale, v_scale) if is_fp8(kv_cache) else (None, None)
 
     def num_decode_splits(self, device: torch.device, num_seqs: int, kv_heads: int, max_seq_len: int) -> int:
         bound = self.max_seq_len_bound if self.max_seq_len_bound is not None else max_seq_len

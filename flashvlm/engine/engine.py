@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from flashvlm.attention.kv_quant import dtype_name
 from flashvlm.attention.vision import set_vision_attention
 from flashvlm.cache.block_manager import BlockManager
 from flashvlm.cache.encoder_cache import EncoderCacheManager
@@ -26,6 +27,7 @@ from flashvlm.processing.input_processor import InputProcessor, ProcessedPrompt
 from flashvlm.quant.apply import quantization_summary
 from flashvlm.quant.plan import resolve_plan
 from flashvlm.request import InvalidRequestError, Request, RequestOutput, RequestStatus, SamplingParams
+from flashvlm.runner.kv_scales import checkpoint_kv_scheme
 from flashvlm.runner.memory_planner import PIXEL_CACHE_BYTES
 from flashvlm.runner.model_runner import ModelRunner, StepTimings
 
@@ -47,6 +49,7 @@ class Engine:
         torch.manual_seed(mc.seed)
         t0 = time.perf_counter()
         self.checkpoint = read_checkpoint(mc)
+        kv_scheme = checkpoint_kv_scheme(self.checkpoint.hf_config)  # refuses a scheme we cannot run, before loading
         max_len = resolve_max_model_len(mc.max_model_len, self.checkpoint.max_position_embeddings)
         self.dtype = resolve_dtype(mc, self.checkpoint.hf_config, config.device)
         quant_plan = resolve_plan(mc.quantization, self.checkpoint.hf_config, mc.quantize_vision)
@@ -54,8 +57,9 @@ class Engine:
         set_kernel_backend(self.model, config.kernel_backend)
         attention_backend, vision_attention = config.attention_for_dtype(self.dtype)
         if (attention_backend, vision_attention) != (config.attention_backend, config.vision_attention):
-            logger.info("attention %s / vision %s: FlashAttention-4 takes bf16/fp16, the model runs in %s",
-                        attention_backend, vision_attention, self.dtype)
+            logger.info("attention %s / vision %s: FlashAttention-4 takes bf16/fp16 models and KV caches; the model "
+                        "runs in %s, kv_cache_dtype is %s", attention_backend, vision_attention, self.dtype,
+                        config.cache.kv_cache_dtype)
         set_vision_attention(self.model, vision_attention)
         set_gemv_max_rows(self.model, GEMV_MAX_ROWS if config.decode_gemv else 0)
         self.load_time = time.perf_counter() - t0
@@ -68,6 +72,7 @@ class Engine:
                                               preprocess_device=config.device if config.preprocess_on_gpu else None)
         self.runner = ModelRunner(config, self.model, self.dtype, max_model_len=max_len,
                                   attention_backend=attention_backend)
+        kv_scale_source = self.runner.set_kv_scales(kv_scheme)
         num_blocks = self.runner.determine_num_blocks(
             lambda: self.input_processor.profile_items(config.scheduler.max_num_batched_tokens))
         self.runner.allocate_kv_cache(num_blocks)
@@ -75,7 +80,8 @@ class Engine:
                                    lookahead_slots=1 if self.runner.pipeline is not None else 0,
                                    attention_backend=attention_backend, vision_attention=vision_attention,
                                    quantization=None if quant_plan is None else
-                                   quantization_summary(self.model, quant_plan))
+                                   quantization_summary(self.model, quant_plan),
+                                   kv_cache_dtype=dtype_name(self.runner.kv_dtype), kv_scale_source=kv_scale_source)
         """What this engine runs with, derived above; the config stays as validated."""
         self.scheduler = Scheduler(config.scheduler,
                                    BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching),
@@ -87,9 +93,9 @@ class Engine:
         self.step_log: list[StepRecord] | None = None
         """Set to a list to record every step (benchmarks); None costs nothing."""
         self._ids = itertools.count()
-        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, loaded in %.1fs",
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens in %s, loaded in %.1fs",
                     self.checkpoint.path.name, config.device, self.dtype, num_blocks,
-                    config.cache.block_size, self.load_time)
+                    config.cache.block_size, self.limits.kv_cache_dtype, self.load_time)
 
     @property
     def max_model_len(self) -> int:

@@ -36,6 +36,12 @@ class EngineLimits:
     quantization: dict[str, Any] | None = None
     """What the weights run quantized with (`quant.apply.quantization_summary`): method, scheme, where it came
     from (the checkpoint or --quantization), layer counts per format. None: every layer in the model dtype."""
+    kv_cache_dtype: str = "float32"
+    """The KV cache's dtype as allocated ("bfloat16", "float32", ... for kv_cache_dtype auto: the model's;
+    "float8_e4m3fn" for fp8). Derived by the runner (`ModelRunner.kv_dtype`)."""
+    kv_scale_source: str = "none"
+    """Where an FP8 cache's per-layer K and V scales came from: "checkpoint" (its kv_cache_scheme's k_scale /
+    v_scale tensors) or "calibrated" (at start-up, runner/kv_scales.py); "none" for a cache in the model's dtype."""
 
 
 def resolve_max_model_len(requested: int | None, model_limit: int) -> int:

@@ -8,6 +8,11 @@ Grid: stage 1 (num_seqs, num_kv_heads, num_splits); each program serves every qu
 group (GQA), padded to BLOCK_H >= 16 rows so QK^T and PV are tensor-core dots, and loads each K/V tile once.
 Stage 2 (num_seqs, num_heads). Tokens are gathered page by page through block_tables, so BLOCK_N is
 independent of the cache block size, and seq_len needs no alignment. seq_len 0 (padding rows) yields zeros.
+FP8 (e4m3) cache: each K/V tile is converted to q's dtype in registers (exact: every e4m3 value is a bf16, fp16
+and fp32 value) and the per-layer scales are applied once rather than per element: k_scale folds into the score
+scale, v_scale multiplies the normalized output, so the result is softmax(q (K8 k_scale)^T scale) (V8 v_scale) as
+the reference computes it. The scales are 1-element tensors read in the kernel (CUDA-graph safe); the FP8 steps
+sit behind a constexpr, so a cache in the model's dtype compiles the same kernel as before.
 Limits: q row i belongs to sequence i (pure-decode batch); last dims contiguous; device tensors only and a
 grid fixed by (num_seqs, num_splits), so launches can be captured in CUDA graphs.
 """
@@ -20,14 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
-from flashvlm.kernels.paged_args import gqa_group, last_dim_contiguous
+from flashvlm.kernels.paged_args import check_kv_scales, gqa_group, last_dim_contiguous, read_context
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -35,7 +40,7 @@ def _decode_split_kernel(
     stride_os, stride_oh, stride_ok,
     stride_ls, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -57,6 +62,8 @@ def _decode_split_kernel(
 
     q = tl.load(q_ptr + seq64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -72,6 +79,8 @@ def _decode_split_kernel(
         kv_ptrs = kv_off[:, None] + offs_d[None, :]
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -79,10 +88,14 @@ def _decode_split_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
     nonempty = l_i > 0
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     out_mask = h_mask[:, None] & d_mask[None, :]
     if DIRECT:
@@ -133,12 +146,15 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  scale: float, num_splits: int = 1, out: torch.Tensor | None = None, block_n: int | None = None,
-                 num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                 num_warps: int = 4, num_stages: int = 2, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: (B, heads, head_dim), one token per sequence; kv_cache: (2, num_blocks, block_size, kv_heads, head_dim);
-    block_tables: (B, max_blocks) int32; seq_lens: (B,) int32 (context length including this token)."""
+    block_tables: (B, max_blocks) int32; seq_lens: (B,) int32 (context length including this token). An FP8 cache
+    needs k_scale and v_scale (1-element float32 tensors)."""
     num_seqs, num_heads, head_dim = q.shape
     kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
     group = gqa_group(num_heads, kv_heads)
+    kv_fp8 = check_kv_scales(kv_cache, k_scale, v_scale)
     if seq_lens.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
         raise ValueError("paged_decode expects exactly one query token per sequence")
     if out is None:
@@ -156,18 +172,18 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     scale_log2 = scale * _LOG2E
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page,
-                  DOT_PREC=dot_prec, num_warps=num_warps, num_stages=num_stages)
+                  DOT_PREC=dot_prec, KV_FP8=kv_fp8, num_warps=num_warps, num_stages=num_stages)
     kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     if num_splits <= 1:
         _decode_split_kernel[(num_seqs, kv_heads, 1)](
-            q, k_cache, v_cache, block_tables, seq_lens, out, out, scale_log2,
+            q, k_cache, v_cache, block_tables, seq_lens, out, out, k_scale, v_scale, scale_log2,
             q.stride(0), q.stride(1), *kv_strides, block_tables.stride(0),
             out.stride(0), out.stride(1), 0, 0, 0, DIRECT=True, **common)
         return out
     part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part, lse, scale_log2,
+        q, k_cache, v_cache, block_tables, seq_lens, part, lse, k_scale, v_scale, scale_log2,
         q.stride(0), q.stride(1), *kv_strides, block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), DIRECT=False, **common)
     _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -178,8 +194,10 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
 
 
 def paged_decode_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Plain-torch decode attention in fp32 (host loop over sequences; tests only). seq_len 0 gives zeros."""
+                           seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-torch decode attention in fp32 (host loop over sequences; tests only). seq_len 0 gives zeros. An FP8
+    cache is read as x.float() * scale."""
     num_seqs, num_heads, _ = q.shape
     page, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     out = torch.zeros_like(q)
@@ -187,8 +205,8 @@ def paged_decode_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         if seq_len == 0:
             continue
         blocks = block_tables[i, : (seq_len + page - 1) // page].long()
-        k = kv_cache[0, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(num_heads // kv_heads, dim=1)
-        v = kv_cache[1, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(num_heads // kv_heads, dim=1)
+        k, v = read_context(kv_cache, blocks, seq_len, k_scale, v_scale)
+        k, v = k.repeat_interleave(num_heads // kv_heads, dim=1), v.repeat_interleave(num_heads // kv_heads, dim=1)
         scores = torch.einsum("hd,khd->hk", q[i].float(), k) * scale
         out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v).to(q.dtype)
     return out

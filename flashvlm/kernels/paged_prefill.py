@@ -9,6 +9,9 @@ one KV head into BLOCK_M = BLOCK_Q * GROUP (+ pad) rows, so K/V are read once pe
 token costs one small tile, not a padded 64-row one. Sequence i owns tiles starting at
 query_start_loc[i] // BLOCK_Q + i (an upper bound on the tiles before it); a program finds its sequence by
 binary search over query_start_loc and exits if it lies past the sequence's last tile.
+FP8 (e4m3) cache: as in paged_decode, K/V tiles are converted to q's dtype in registers, k_scale folds into the
+score scale and v_scale multiplies the output, behind a constexpr (a cache in the model's dtype compiles the same
+kernel as before); the scales are 1-element tensors read in the kernel.
 Limits: last dims contiguous; sequences with q_len 0 are allowed (no tiles); device tensors plus the host
 ints num_tokens, num_seqs and max_query_len (tile size choice), so the launch is graph-safe for fixed shapes.
 """
@@ -19,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashvlm.kernels.paged_args import gqa_group, last_dim_contiguous
+from flashvlm.kernels.paged_args import check_kv_scales, gqa_group, last_dim_contiguous, read_context
 
 _LOG2E = 1.4426950408889634
 
@@ -27,7 +30,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _attend_keys(q, m_i, l_i, acc, k_ptr, v_ptr, table, head_off, pos, kv_end, q_pos, offs_d, d_mask, scale_log2,
                  stride_kb, stride_kt, PAGE: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
+                 DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr):
     """One key tile of the online softmax, gathered page by page; CAUSAL tiles mask by position (and kv_end),
     the others are wholly visible. Returns the updated (m_i, l_i, acc)."""
     valid = pos < kv_end
@@ -41,6 +44,8 @@ def _attend_keys(q, m_i, l_i, acc, k_ptr, v_ptr, table, head_off, pos, kv_end, q
         k = tl.load(k_ptr + kv_ptrs, mask=kv_mask, other=0.0)
     else:
         k = tl.load(k_ptr + kv_ptrs)
+    if KV_FP8:
+        k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if CAUSAL:
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -53,18 +58,20 @@ def _attend_keys(q, m_i, l_i, acc, k_ptr, v_ptr, table, head_off, pos, kv_end, q
         v = tl.load(v_ptr + kv_ptrs, mask=kv_mask, other=0.0)
     else:
         v = tl.load(v_ptr + kv_ptrs)
+    if KV_FP8:
+        v = v.to(q.dtype)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
     return m_new, l_i, acc
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, qsl_ptr, seq_lens_ptr, block_tables_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, qsl_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -99,6 +106,8 @@ def _prefill_kernel(
 
         q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+        if KV_FP8:
+            scale_log2 = scale_log2 * tl.load(k_scale_ptr)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -112,12 +121,15 @@ def _prefill_kernel(
         # The diagonal tiles go first, so each row's max is finite from the start (padding rows included).
         for t in range(free_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, k_ptr, v_ptr, table, head_off, t + offs_n, kv_end, q_pos,
-                                         offs_d, d_mask, scale_log2, stride_kb, stride_kt, PAGE, True, EVEN_D, DOT_PREC)
+                                         offs_d, d_mask, scale_log2, stride_kb, stride_kt, PAGE, True, EVEN_D, DOT_PREC,
+                                         KV_FP8)
         for t in range(0, free_end, BLOCK_N):
             m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, k_ptr, v_ptr, table, head_off, t + offs_n, kv_end, q_pos,
                                          offs_d, d_mask, scale_log2, stride_kb, stride_kt, PAGE, False, EVEN_D,
-                                         DOT_PREC)
+                                         DOT_PREC, KV_FP8)
 
+        if KV_FP8:
+            acc = acc * tl.load(v_scale_ptr)
         o = acc / l_i[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
@@ -138,13 +150,16 @@ def prefill_tiles(max_query_len: int, group: int, dtype: torch.dtype) -> tuple[i
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                   block_tables: torch.Tensor, scale: float, max_query_len: int, out: torch.Tensor | None = None,
                   block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None) -> torch.Tensor:
+                  num_stages: int | None = None, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: (N, heads, head_dim) flat batch; kv_cache: (2, num_blocks, block_size, kv_heads, head_dim);
-    query_start_loc: (B+1,) int32; seq_lens: (B,) int32 (cached + new); block_tables: (B, max_blocks) int32."""
+    query_start_loc: (B+1,) int32; seq_lens: (B,) int32 (cached + new); block_tables: (B, max_blocks) int32.
+    An FP8 cache needs k_scale and v_scale (1-element float32 tensors)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
     group = gqa_group(num_heads, kv_heads)
+    kv_fp8 = check_kv_scales(kv_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
@@ -158,22 +173,24 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torc
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_tokens // block_q + num_seqs, kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, k_scale, v_scale,
         scale * _LOG2E, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         EVEN_D=head_dim == triton.next_power_of_2(head_dim), BLOCK_M=block_m,
         BLOCK_Q=block_q, BLOCK_N=block_n or auto_n, PAGE=page,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
         num_warps=num_warps or auto_warps, num_stages=num_stages or auto_stages,
     )
     return out
 
 
 def paged_prefill_reference(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
-                            seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """Plain-torch varlen attention in fp32 (host loop over sequences; tests only)."""
+                            seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-torch varlen attention in fp32 (host loop over sequences; tests only). An FP8 cache is read as
+    x.float() * scale."""
     num_heads = q.shape[1]
     page, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     out = torch.zeros_like(q)
@@ -183,8 +200,8 @@ def paged_prefill_reference(q: torch.Tensor, kv_cache: torch.Tensor, query_start
         if end == start:
             continue
         blocks = block_tables[i, : (seq_len + page - 1) // page].long()
-        k = kv_cache[0, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(num_heads // kv_heads, dim=1)
-        v = kv_cache[1, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(num_heads // kv_heads, dim=1)
+        k, v = read_context(kv_cache, blocks, seq_len, k_scale, v_scale)
+        k, v = k.repeat_interleave(num_heads // kv_heads, dim=1), v.repeat_interleave(num_heads // kv_heads, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
         query_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
         visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from flashvlm.config import ConfigError
+from flashvlm.layers.attention import PagedAttention
 from flashvlm.models.interfaces import MissingWeightError
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ def load_params(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     for ckpt_name, tensor in weights:
         name = rename(ckpt_name)
         hit = None if name is None else _packed_hit(name, packed)
+        if name is not None and hit is None and name not in params and _load_kv_scale(model, name, tensor):
+            continue
         if name is None or (hit is None and name not in params):
             if not (_HARMLESS_EXTRAS.search(ckpt_name) or expected_unused(ckpt_name)):
                 unexpected.append(ckpt_name)
@@ -142,6 +145,39 @@ def checkpoint_tensor_names(path: str | Path) -> list[str]:
         with safe_open(str(f), framework="pt") as st:
             names.extend(st.keys())
     return names
+
+
+_KV_SCALES = ("k_scale", "v_scale")
+_KV_ZERO_POINTS = ("k_zero_point", "v_zero_point")
+
+
+def _load_kv_scale(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """An FP8 KV cache's per-layer scale as compressed-tensors stores it on the attention module
+    (`...self_attn.k_scale` / `v_scale`, shape (1,), often in the model's dtype): copied as float32 into the
+    layer's PagedAttention buffer. Its zero points (symmetric schemes save zeros) are checked and dropped. False
+    when `name` is neither."""
+    module_path, _, leaf = name.rpartition(".")
+    if leaf not in _KV_SCALES + _KV_ZERO_POINTS:
+        return False
+    try:
+        module = model.get_submodule(module_path)
+    except AttributeError:
+        return False
+    attn = module if isinstance(module, PagedAttention) else next(
+        (m for m in module.children() if isinstance(m, PagedAttention)), None)
+    if attn is None:
+        return False
+    if leaf in _KV_ZERO_POINTS:
+        if (tensor.float() != 0).any():
+            raise ConfigError(f"{name}: a KV cache zero point that is not 0 (an asymmetric kv_cache_scheme); "
+                              "flashvlm runs symmetric FP8 KV scales only")
+        return True
+    if tensor.numel() != 1:
+        raise ConfigError(f"{name} has shape {tuple(tensor.shape)}: flashvlm reads one K and one V scale per layer "
+                          "(kv_cache_scheme strategy 'tensor'), not per head or channel")
+    with torch.no_grad():
+        getattr(attn, leaf).copy_(tensor.reshape(1).float())
+    return True
 
 
 def _packed_hit(name: str, packed: dict[str, tuple[str, int]]) -> tuple[int, tuple[str, int]] | None:

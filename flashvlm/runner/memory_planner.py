@@ -1,9 +1,10 @@
 """How much device memory the KV cache gets: the activation profile, and every reserve kept out of the budget.
 
 budget = total x gpu_memory_utilization - memory already in use - activation peak - graph pools - cached image
-embeddings; the KV cache takes budget // bytes per block. Each reserve below is named after what it holds; where
-one is an allowance rather than a measurement it says so, and the graph captures log what they really took
-(`GraphSet.capture`), the figure to check it against.
+embeddings; the KV cache takes budget // bytes per block, counted in the cache's own dtype (1 byte an element for
+an FP8 cache, so the same memory holds twice the tokens of a bf16 one). Each reserve below is named after what it
+holds; where one is an allowance rather than a measurement it says so, and the graph captures log what they really
+took (`GraphSet.capture`), the figure to check it against.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from flashvlm.attention.base import AttentionBackend
+from flashvlm.attention.kv_quant import dtype_name, kv_cache_torch_dtype
 from flashvlm.config import EngineConfig
 from flashvlm.models.interfaces import VLModel
 from flashvlm.request import MMItem, SamplingParams
@@ -31,8 +33,9 @@ PROFILE_HEADROOM = 1.1
 blocks and cannot always reuse a freed block for a larger request)."""
 
 CPU_KV_SEQUENCES = 8
-"""CPU engines skip the profile: their KV cache holds this many max_model_len sequences (capped at
-max_num_seqs), plenty for tests and demos, small enough for a laptop."""
+"""CPU engines skip the profile: their KV cache gets the memory this many max_model_len sequences (capped at
+max_num_seqs) take in the model's dtype, plenty for tests and demos, small enough for a laptop (an FP8 cache holds
+twice the tokens in it)."""
 
 GRAPH_POOL_BASE_BYTES = 256 * MiB
 """Fixed part of each language-model graph pool (decode, step): the pool's segment rounding and what every graph
@@ -85,13 +88,16 @@ class MemoryPlanner:
         self.sampler, self.max_model_len, self.use_cuda_graphs = sampler, max_model_len, use_cuda_graphs
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
+        self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, dtype)
 
     def _element_size(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
-    def kv_bytes_per_block(self) -> int:
+    def kv_bytes_per_block(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of one block across every layer, K and V, in the cache's dtype (or `dtype`)."""
         spec = self.model.kv_cache_spec()
-        return 2 * spec.num_layers * self.block_size * spec.num_kv_heads * spec.head_dim * self._element_size()
+        element = torch.empty((), dtype=dtype or self.kv_dtype).element_size()
+        return 2 * spec.num_layers * self.block_size * spec.num_kv_heads * spec.head_dim * element
 
     def embedding_cache_bytes(self) -> int:
         """Cached image embeddings (the runner's encoder_outputs) live beside the KV cache, up to the encoder
@@ -107,7 +113,7 @@ class MemoryPlanner:
             return cache.kv_cache_tokens // self.block_size + 1  # +1: block 0 is the null block
         if self.device.type != "cuda":
             tokens = self.max_model_len * min(self.config.scheduler.max_num_seqs, CPU_KV_SEQUENCES)
-            return tokens // self.block_size + 2
+            return (tokens // self.block_size + 2) * self.kv_bytes_per_block(self.dtype) // self.kv_bytes_per_block()
         free, total = torch.cuda.mem_get_info(self.device)
         peak = self.profile_peak_memory(vision_items() if vision_items is not None else [])
         budget = (total * cache.gpu_memory_utilization - (total - free) - peak - self.graph_reserves().total
@@ -117,8 +123,8 @@ class MemoryPlanner:
             raise RuntimeError(f"no memory left for the KV cache: {total / 2**30:.1f} GiB total, "
                                f"{(total - free) / 2**30:.1f} GiB in use, activation peak {peak / 2**30:.1f} GiB; "
                                "raise gpu_memory_utilization or lower max_num_batched_tokens or encoder_cache_tokens")
-        logger.info("KV cache: %d blocks (%d tokens), activation peak %.2f GiB", num_blocks,
-                    num_blocks * self.block_size, peak / 2**30)
+        logger.info("KV cache: %d blocks (%d tokens) in %s, activation peak %.2f GiB", num_blocks,
+                    num_blocks * self.block_size, dtype_name(self.kv_dtype), peak / 2**30)
         return num_blocks
 
     def profile_peak_memory(self, vision_items: list[MMItem]) -> int:
@@ -139,7 +145,7 @@ class MemoryPlanner:
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         # Profiled through the engine's own backend, so its kernels' workspace counts too.
-        ctx = single_sequence_context(n, self.model.kv_cache_spec(), self.dtype, self.device, self.block_size,
+        ctx = single_sequence_context(n, self.model.kv_cache_spec(), self.kv_dtype, self.device, self.block_size,
                                       self.backend)
         kv_bytes = sum(t.numel() * t.element_size() for t in ctx.kv_caches)
         with torch.inference_mode():

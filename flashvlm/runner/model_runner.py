@@ -16,12 +16,14 @@ from typing import Any
 import torch
 
 from flashvlm.attention.base import get_backend
+from flashvlm.attention.kv_quant import FP8_KV_DTYPE
 from flashvlm.config import EngineConfig
 from flashvlm.engine.sched_output import SchedulerOutput
 from flashvlm.models.interfaces import VLModel
 from flashvlm.request import MMItem, Request
 from flashvlm.runner.executor import ExecutionPath, StepExecutor
 from flashvlm.runner.inputs import PositionStore
+from flashvlm.runner.kv_scales import CALIBRATION_TOKENS, calibration_amax, resolve_kv_scales
 from flashvlm.runner.memory_planner import MemoryPlanner
 from flashvlm.runner.sampler import Sampler, SamplerInputs, make_generator
 from flashvlm.runner.step_graphs import StepGraphs
@@ -71,6 +73,10 @@ class ModelRunner:
         self.planner = MemoryPlanner(config, model, dtype, self.backend, self.sampler, max_model_len,
                                      self.use_cuda_graphs)
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_dtype = self.planner.kv_dtype
+        """The KV cache's dtype: the model's (kv_cache_dtype auto) or float8_e4m3fn."""
+        self.kv_scale_source = "none"
+        """Where an FP8 cache's per-layer scales came from: "checkpoint" or "calibrated" (set_kv_scales)."""
         self.positions = PositionStore()
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         """Vision embeddings by mm_hash; the scheduler's EncoderCacheManager decides what stays."""
@@ -96,6 +102,18 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         return self.planner.kv_bytes_per_block()
 
+    def set_kv_scales(self, kv_scheme: dict | None) -> str:
+        """An FP8 cache's per-layer K and V scales, before the memory profile runs through them: the checkpoint's
+        (kv_scheme: its validated kv_cache_scheme, or None), else calibrated on a seeded random prompt
+        (runner/kv_scales.py). Returns and records their source; "none" for a cache in the model's dtype."""
+        if self.kv_dtype != FP8_KV_DTYPE:
+            return self.kv_scale_source
+        sched = self.config.scheduler
+        num_tokens = min(CALIBRATION_TOKENS, sched.max_num_batched_tokens, self.max_model_len)
+        self.kv_scale_source = resolve_kv_scales(self.model, kv_scheme, lambda: calibration_amax(
+            self.model, self.backend, self.dtype, self.device, self.block_size, num_tokens, self.config.model.seed))
+        return self.kv_scale_source
+
     def determine_num_blocks(self, vision_items: Callable[[], list[MMItem]] | None = None) -> int:
         """KV blocks that fit (MemoryPlanner.determine_num_blocks)."""
         return self.planner.determine_num_blocks(vision_items)
@@ -105,7 +123,7 @@ class ModelRunner:
         vision graphs."""
         spec = self.model.kv_cache_spec()
         self.kv_caches = [torch.zeros(2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
-                                      dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
+                                      dtype=self.kv_dtype, device=self.device) for _ in range(spec.num_layers)]
         self.executor.kv_caches = self.kv_caches
         if not self.use_cuda_graphs:
             return

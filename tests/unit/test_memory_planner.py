@@ -65,3 +65,23 @@ def test_cpu_and_fixed_kv_sizes() -> None:
     planner = _planner()
     assert planner.kv_bytes_per_block() == 2 * 28 * 16 * 4 * 128 * 2
     assert planner.embedding_cache_bytes() == 8192 * 3584 * 2  # 56 MiB: the encoder cache's default budget
+
+
+@pytest.mark.parametrize("free_gib", [30.0, 61.5])
+def test_an_fp8_cache_gets_twice_the_blocks_of_bf16_in_the_same_memory(monkeypatch, free_gib: float) -> None:
+    """The GPU path with the device's memory and the profile stubbed: the same budget, half the bytes a block, twice
+    the blocks (1 byte an element for e4m3, 2 for bf16)."""
+    total = 141 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free_gib * 2**30), total))
+    blocks = {}
+    for kv in ("auto", "fp8"):
+        config = EngineConfig(model=ModelConfig(model="unused"), device="cuda", cache=CacheConfig(kv_cache_dtype=kv))
+        planner = MemoryPlanner(config, _model(**QWEN2_VL_7B), torch.bfloat16, ReferenceBackend(), Sampler(),
+                                max_model_len=4096, use_cuda_graphs=False)
+        monkeypatch.setattr(planner, "profile_peak_memory", lambda items: 3 * 2**30)
+        blocks[kv] = planner.determine_num_blocks()
+        assert planner.kv_bytes_per_block() == 2 * 28 * 16 * 4 * 128 * (2 if kv == "auto" else 1)
+    budget = total * 0.9 - (total - free_gib * 2**30) - 3 * 2**30 - 8192 * 3584 * 2
+    assert blocks["auto"] == int(budget // (2 * 28 * 16 * 4 * 128 * 2))
+    assert blocks["fp8"] == int(budget // (2 * 28 * 16 * 4 * 128))
+    assert blocks["fp8"] in (2 * blocks["auto"], 2 * blocks["auto"] + 1)  # the same budget, floored per block size
