@@ -180,13 +180,19 @@ def _finish(result: ScenarioResult, args: argparse.Namespace, floors=None,
     return result
 
 
+def _model_cost(llm):
+    from flashvlm.bench.floors import model_cost
+
+    return model_cost(llm.engine.model, kv_element_size=llm.engine.runner.kv_dtype.itemsize)
+
+
 def _floors(llm, requests: list[BenchRequest], args: argparse.Namespace, result: ScenarioResult):
     """Throughput runs: the floor of the whole run, from the requests as `result` processed them; latency
     scenarios: per-request floors of the workload's mean request."""
-    from flashvlm.bench.floors import model_cost, run_floor, run_work, workload_floors
+    from flashvlm.bench.floors import run_floor, run_work, workload_floors
 
     if result.scenario == "throughput":
-        return run_floor(model_cost(llm.engine.model), run_work(result.records, requests),
+        return run_floor(_model_cost(llm), run_work(result.records, requests),
                          llm.engine.config.scheduler.max_num_seqs, bandwidth=args.peak_bandwidth * 1e12,
                          peak_flops=args.peak_tflops * 1e12)
     n = max(len(requests), 1)
@@ -195,7 +201,7 @@ def _floors(llm, requests: list[BenchRequest], args: argparse.Namespace, result:
     family = llm.engine.checkpoint.family
     patches = sum(family.vision_patches(it) for p in processed for it in p.mm_items) / len(processed)
     output = sum(r.max_tokens for r in requests) / n
-    return workload_floors(model_cost(llm.engine.model), prompt, output, patches,
+    return workload_floors(_model_cost(llm), prompt, output, patches,
                            bandwidth=args.peak_bandwidth * 1e12, peak_flops=args.peak_tflops * 1e12)
 
 
@@ -232,9 +238,11 @@ def _run_offline(args: argparse.Namespace, scenario: str, configs: list[dict[str
         result = SCENARIOS[scenario](llm, requests, workload, label=label, progress=update)
         if bar is not None:
             bar.close()
-        if floors is None:  # one floor for every row: the first configuration's run defines the work
-            floors = _floors(llm, requests, args, result)
-        runs.append(_finish(result, args, floors, requests))
+        # Each configuration's own floor (quantized weights or an FP8 KV cache read fewer bytes); the baselines
+        # take the first configuration's.
+        own_floors = _floors(llm, requests, args, result)
+        floors = floors or own_floors
+        runs.append(_finish(result, args, own_floors, requests))
         del llm  # each configuration gets the whole device
         _free_device_memory()
     if getattr(args, "baseline", None) == "transformers":
