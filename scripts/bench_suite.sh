@@ -8,8 +8,11 @@
 #
 #   --out DIR            results folder (default bench_out/suite)
 #   --jobs LIST          a subset of: latency throughput512 throughput caching sla agreement kernels profile
-#                        (default: all but profile; roughly half an hour on one H200, estimated from the
-#                        jobs' separate runs)
+#                        vllm quant (default: all but profile, vllm and quant; roughly half an hour on one H200,
+#                        estimated from the jobs' separate runs). vllm runs the throughput and long-prompt
+#                        workloads beside vLLM (`--baseline vllm`; VLLM_PYTHON names an interpreter that imports
+#                        it, default python3); quant compares bf16 with FP8, INT8 and INT4 weights and an FP8 KV
+#                        cache, and times the quantized kernels
 #   --baseline-tree DIR  a second source tree (e.g. `git worktree add /tmp/before HEAD~1`): each job runs there
 #                        first, then here, and OUT/compare_<job>.txt holds `flashvlm bench compare` of the two
 #   --model DIR          a checkpoint folder instead of the 7B config (e.g. flashvlm/demo/checkpoint to try the
@@ -92,6 +95,34 @@ run_job() {  # job dir: run from inside the tree being measured
       script "$d/check" scripts/gpu_check.py
       script "$d/gemv" scripts/gpu_gemv.py
       if python3 -c "import flash_attn.cute" 2> /dev/null; then script "$d/fa4" scripts/gpu_fa4.py; fi ;;
+    vllm)  # the issue-18 workloads beside vLLM, one after the other on the same GPU, the same seeded requests
+      local V=(--baseline vllm --baseline-python "${VLLM_PYTHON:-python3}")
+      local OFF=(--output-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85)
+      bench "$d/latency_1008x756" latency "${M[@]}" "${V[@]}" --output-tokens 128 --image-size 1008x756 \
+        --num-requests "$(n 20)" --warmup 2 --max-num-seqs 16 --max-num-batched-tokens 4096 \
+        --gpu-memory-utilization 0.5
+      bench "$d/throughput512_1008x756" throughput "${M[@]}" "${V[@]}" "${OFF[@]}" --image-size 1008x756 \
+        --num-requests "$(n 512)"
+      bench "$d/throughput256_1920x1080" throughput "${M[@]}" "${V[@]}" "${OFF[@]}" --image-size 1920x1080 \
+        --num-requests "$(n 256)"
+      bench "$d/throughput256_mix" throughput "${M[@]}" "${V[@]}" "${OFF[@]}" \
+        --image-size 448x448:0.3,1008x756:0.4,1920x1080:0.3 --num-requests "$(n 256)"
+      bench "$d/long_context" latency --benchmark-model qwen2-vl-7b --no-progress "${V[@]}" --long-context \
+        --num-requests "$(n 8)" --warmup 1 --max-model-len 20480 --max-num-seqs 4 \
+        --max-num-batched-tokens 20480 --gpu-memory-utilization 0.5 ;;
+    quant)  # bf16 against FP8 / INT8 / INT4 weights and an FP8 KV cache (random weights: speed only), kernels
+      local Q='[{"name": "bf16"}, {"name": "fp8", "quantization": "fp8"}, {"name": "int8", "quantization": "int8"},
+                {"name": "int4", "quantization": "int4"},
+                {"name": "fp8+kv-fp8", "quantization": "fp8", "kv_cache_dtype": "fp8"}]'
+      bench "$d/latency_1008x756" sweep --sweep-scenario latency "${M[@]}" --output-tokens 128 \
+        --image-size 1008x756 --num-requests "$(n 20)" --warmup 2 --max-num-seqs 16 \
+        --max-num-batched-tokens 4096 --gpu-memory-utilization 0.5 --configs "$Q"
+      bench "$d/throughput512_1008x756" sweep --sweep-scenario throughput "${M[@]}" --output-tokens 128 \
+        --image-size 1008x756 --num-requests "$(n 512)" --max-num-seqs 256 --max-num-batched-tokens 8192 \
+        --gpu-memory-utilization 0.85 --configs '[{"name": "bf16"}, {"name": "fp8", "quantization": "fp8"}]'
+      script "$d/fp8_gemv" scripts/gpu_fp8_gemv.py
+      script "$d/int8_gemv" scripts/gpu_int8_gemv.py
+      script "$d/int4_matmul" scripts/gpu_int4_matmul.py ;;
     profile)  # where a batch-1 request's time goes (kernels, host share)
       script "$d" scripts/gpu_profile.py ;;
     *) echo "unknown job: $job" >&2; return 2 ;;
