@@ -122,7 +122,9 @@ run_job() {  # job dir: run from inside the tree being measured
         --gpu-memory-utilization 0.85 --configs '[{"name": "bf16"}, {"name": "fp8", "quantization": "fp8"}]'
       script "$d/fp8_gemv" scripts/gpu_fp8_gemv.py
       script "$d/int8_gemv" scripts/gpu_int8_gemv.py
-      script "$d/int4_matmul" scripts/gpu_int4_matmul.py ;;
+      script "$d/int4_matmul" scripts/gpu_int4_matmul.py
+      QUANTIZATION=fp8 script "$d/agreement_fp8" scripts/gpu_agreement_7b.py
+      KV_CACHE_DTYPE=fp8 script "$d/agreement_kv_fp8" scripts/gpu_agreement_7b.py ;;
     profile)  # where a batch-1 request's time goes (kernels, host share)
       script "$d" scripts/gpu_profile.py ;;
     *) echo "unknown job: $job" >&2; return 2 ;;

@@ -2,6 +2,11 @@
 Qwen2-VL-7B config with the same random weights, over 16 prompts with one 448x448 image each, 64 tokens.
 
     PYTHONPATH=. python scripts/gpu_agreement_7b.py      # GPU only; writes $OUT/agreement_7b.json
+    QUANTIZATION=fp8 KV_CACHE_DTYPE=fp8 PYTHONPATH=. python scripts/gpu_agreement_7b.py   # ours quantized
+
+With QUANTIZATION (fp8, int8, int4) and/or KV_CACHE_DTYPE (fp8) flashvlm runs quantized against transformers in
+bf16 on the same weights, so the teacher-forced agreement at decisive positions is the quantization's own cost
+(bf16 flashvlm agrees with transformers there); the result file is then agreement_7b_<settings>.json.
 
 transformers initialises the model (seeded), saves it as a normal checkpoint, and flashvlm loads that folder
 through its real loader, so both run identical weights. Random weights give flat next-token distributions, so
@@ -97,8 +102,10 @@ def main() -> None:
     if not smoke:
         torch.cuda.empty_cache()
 
+    quant = {k: v for k, v in (("quantization", os.environ.get("QUANTIZATION")),
+                               ("kv_cache_dtype", os.environ.get("KV_CACHE_DTYPE"))) if v}
     llm = LLM(str(path), dtype=dtype, device=device, max_num_seqs=16, gpu_memory_utilization=0.6,
-              max_model_len=4096, **({"kv_cache_tokens": 16384} if smoke else {}))
+              max_model_len=4096, **({"kv_cache_tokens": 16384} if smoke else {}), **quant)
     llm.engine.runner.record_logits = True
     outs = llm.generate([r.engine_prompt() for r in requests],
                         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
@@ -127,13 +134,15 @@ def main() -> None:
     # transformers' gap between its top two logits where the two first part: small gaps are bf16 near-ties.
     gaps_at_divergence = [g[k] for g, k in zip(hf_gaps, prefixes) if k < MAX_TOKENS]
     median_gap = sorted(x for g in hf_gaps for x in g)[NUM_PROMPTS * MAX_TOKENS // 2]
-    result = {"prompts": NUM_PROMPTS, "max_tokens": MAX_TOKENS, "identical_sequences": identical,
+    result = {"flashvlm_settings": quant or "bf16", "prompts": NUM_PROMPTS, "max_tokens": MAX_TOKENS,
+              "identical_sequences": identical,
               "positional_token_agreement": positional, "agreement_before_first_divergence": before_divergence,
               "first_divergence_positions": prefixes, "first_token_argmax_equal": first_argmax_equal,
               "first_step_logits_max_abs_diff": max_diff, "first_step_logits_max_abs": scale,
               "top2_gap_at_divergence": gaps_at_divergence, "median_top2_gap": median_gap, **forced}
     print(json.dumps(result, indent=1))
-    with open(os.path.join(out_dir, "agreement_7b.json"), "w") as f:
+    suffix = "".join(f"_{k}-{v}" for k, v in quant.items())
+    with open(os.path.join(out_dir, f"agreement_7b{suffix}.json"), "w") as f:
         json.dump(result, f, indent=1)
 
 
