@@ -35,6 +35,16 @@ def _fp8_gemv() -> Callable[..., torch.Tensor] | None:
     return fp8_gemv
 
 
+@functools.cache
+def _fp8_quantizer() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """The Triton per-token quantizer (one launch where the torch expression takes several), imported lazily."""
+    try:
+        from flashvlm.kernels.fp8_quant import quantize_fp8_per_token
+    except ImportError:
+        return None
+    return quantize_fp8_per_token
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -142,7 +152,11 @@ class Fp8Linear(QuantizedLinear):
     def _forward_scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """cuBLAS FP8 with row-wise scales: (M, 1) per token times (1, N) per output channel, float32, into
         bfloat16 (the output type row-wise scaling supports); B = weight.t() is column-major as it requires."""
-        q, scale = quantize_activation(x, self.scheme.activation, self.input_scale)
+        quantizer = _fp8_quantizer() if x.dtype in _HALF and use_triton(x, self.use_triton_kernels) else None
+        if quantizer is not None:
+            q, scale = quantizer(x, input_scale=self.input_scale if self.scheme.activation == "static" else None)
+        else:
+            q, scale = quantize_activation(x, self.scheme.activation, self.input_scale)
         fused_bias = self.bias if self.dtype == torch.bfloat16 else None
         out = torch._scaled_mm(q, self.weight.t(), scale_a=scale.contiguous(),
                                scale_b=self.weight_scale.view(1, -1), bias=fused_bias, out_dtype=torch.bfloat16)
