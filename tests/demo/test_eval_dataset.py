@@ -126,6 +126,20 @@ def test_a_line_refused_at_run_time_is_counted_wrong_and_the_rest_evaluated(scen
     assert "line 2:" in format_errors(result)
 
 
+def test_the_cli_reports_a_prompt_too_long_for_the_engine_and_goes_on(scenes_dir, tmp_path, capsys) -> None:
+    folder, rows = scenes_dir
+    long_question = dict(rows[1], question="Please look closely. " * 40 + rows[1]["question"])
+    data = _write(folder / "long.jsonl", [rows[0], long_question, rows[3]])
+    out = tmp_path / "result.json"
+    assert main(["eval", "--dataset", str(data), "--max-model-len", "160", "--device", "cpu",
+                 "--json", str(out)]) == 0
+    report = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert [e["line"] for e in result["errors"]] == [2] and "max_model_len is 160" in result["errors"][0]["error"]
+    assert result["num_examples"] == 3 and sum(r["total"] for r in result["per_type"].values()) == 3
+    assert "1 line(s) refused by the engine, counted wrong:" in report and "line 2: prompt is" in report
+
+
 def _bad_inputs(folder: Path, rows: list[dict]) -> list[tuple[str, list[dict | str], str]]:
     good = rows[0]
     (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n but then nothing")
