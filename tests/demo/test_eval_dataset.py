@@ -115,13 +115,14 @@ def test_a_line_refused_at_run_time_is_counted_wrong_and_the_rest_evaluated(scen
     for i in range(3):
         (tmp_path / f"scene{i}.png").write_bytes((folder / rows[i]["image"]).read_bytes())
     picked = [dict(rows[i], image=f"scene{i}.png") for i in range(3)]
+    del picked[2]["type"]  # untyped among typed lines: its own row
     examples = load_eval_dataset(_write(tmp_path / "d.jsonl", picked))
     (tmp_path / "scene1.png").write_bytes(b"no longer a PNG")  # changed after the check
     result = evaluate_dataset(llm, examples, "d.jsonl", batch_size=3, max_tokens=6)
     assert [e["line"] for e in result["errors"]] == [2] and "cannot decode" in result["errors"][0]["error"]
     good = [picked[0], picked[2]]
-    expected = _independent_scores(llm, tmp_path, good, 6)
-    assert sum(r["total"] for r in result["per_type"].values()) == 3
+    expected = _independent_scores(llm, tmp_path, good, 6)  # the refused line scores nothing
+    assert {t: r["total"] for t, r in result["per_type"].items()} == {"colour": 1, "count": 1, "untyped": 1}
     assert sum(r["correct"] for r in result["per_type"].values()) == sum(c for c, _ in expected.values())
     assert "line 2:" in format_errors(result)
 
