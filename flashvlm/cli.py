@@ -17,6 +17,22 @@ Without --model, the embedded demo model answers: a tiny Qwen2-VL trained on gen
 and printed text (colour, count, left/right/above/below, numbers and words; docs/demo.md)."""
 
 
+_DATASET_FORMAT = """--dataset FILE.jsonl holds one JSON object a line:
+  {"image": "cat.png", "question": "What animal is this?", "answer": "cat", "type": "animals"}
+"images": [paths] gives several images; "answer" may be a list of accepted answers; "type" (or "category")
+is optional and gives one accuracy row per type. Relative paths resolve against the file's folder. An answer
+is right when it equals an accepted one after trimming, dropping a trailing period, collapsing spaces and
+lowercasing. The file is checked (fields, images decoded) before the model loads: a bad line is an error
+naming its line number (exit code 2)."""
+
+
+class _EvalHelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in the flags' help (those that are None say theirs in words), the dataset format as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashvlm", description=_DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -43,13 +59,26 @@ def build_parser() -> argparse.ArgumentParser:
     from flashvlm.server.cli import build_parser as build_serve_parser
 
     build_serve_parser(sub)
-    ev = sub.add_parser("eval", help="exact-match accuracy on the synthetic scenes test split, per question type",
-                        description="Answers a seeded split of generated scenes (colour, count, position, printed "
-                                    "text) greedily and reports exact-match accuracy per question type, for any "
-                                    "model and engine configuration.",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ev.add_argument("--split", default="test", choices=["train", "validation", "test"])
-    ev.add_argument("--num-examples", type=int, default=200, help="examples (question types cycle evenly)")
+    from flashvlm.demo.dataset_eval import ANSWER_TOKEN_MARGIN
+
+    ev = sub.add_parser("eval", help="exact-match accuracy per question type: the synthetic scenes test split, "
+                                     "or your own labelled images (--dataset)",
+                        description="Answers a seeded split of generated scenes (colour, count, position, printed\n"
+                                    "text), or the questions of a JSONL file about your own images (--dataset),\n"
+                                    "greedily and reports exact-match accuracy per question type, for any model\n"
+                                    "and engine configuration.",
+                        epilog=_DATASET_FORMAT, formatter_class=_EvalHelpFormatter)
+    ev.add_argument("--split", default=None, choices=["train", "validation", "test"],
+                    help="scenes split (default: test)")
+    ev.add_argument("--num-examples", type=int, default=None,
+                    help="scenes examples, question types cycling evenly (default: 200)")
+    ev.add_argument("--dataset", default=None, metavar="FILE.jsonl",
+                    help="evaluate this JSONL file of labelled images instead of the scenes (format below)")
+    ev.add_argument("--limit", type=int, default=None, metavar="N",
+                    help="with --dataset: only its first N examples (default: all)")
+    ev.add_argument("--max-tokens", type=int, default=None,
+                    help="with --dataset: most tokens per answer (default: the longest accepted answer's "
+                         f"tokens + {ANSWER_TOKEN_MARGIN})")
     ev.add_argument("--batch-size", type=int, default=64, help="questions submitted together")
     ev.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON")
     add_engine_args(ev)
@@ -59,18 +88,54 @@ def build_parser() -> argparse.ArgumentParser:
 def _eval(args: argparse.Namespace) -> int:
     import json
 
-    from flashvlm.demo.evaluate import evaluate, format_report
-    from flashvlm.llm import LLM
+    from flashvlm.demo.evaluate import format_report
 
-    if args.num_examples < 1:
-        raise ValueError("--num-examples must be >= 1")
-    llm = LLM.from_config(engine_config_from_args(args))
-    result = evaluate(llm, args.split, args.num_examples, args.batch_size)
+    result = _eval_dataset(args) if args.dataset is not None else _eval_scenes(args)
+    if isinstance(result, int):
+        return result
     print(format_report(result))
+    if result.get("errors"):
+        from flashvlm.demo.dataset_eval import format_errors
+
+        print(format_errors(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0
+
+
+def _eval_scenes(args: argparse.Namespace) -> dict | int:
+    from flashvlm.demo.evaluate import evaluate
+    from flashvlm.llm import LLM
+
+    for flag, value in (("--limit", args.limit), ("--max-tokens", args.max_tokens)):
+        if value is not None:
+            print(f"error: {flag} applies to --dataset (the scenes take --num-examples)", file=sys.stderr)
+            return 2
+    num_examples = 200 if args.num_examples is None else args.num_examples
+    if num_examples < 1:
+        raise ValueError("--num-examples must be >= 1")
+    llm = LLM.from_config(engine_config_from_args(args))
+    return evaluate(llm, args.split or "test", num_examples, args.batch_size)
+
+
+def _eval_dataset(args: argparse.Namespace) -> dict | int:
+    """The result, or exit code 2 before any model loads for a dataset or flag that cannot be evaluated."""
+    from flashvlm.demo.dataset_eval import DatasetError, evaluate_dataset, load_eval_dataset
+    from flashvlm.llm import LLM
+
+    try:
+        if args.split is not None or args.num_examples is not None:
+            raise DatasetError("--split and --num-examples choose scenes; with --dataset use --limit")
+        for flag, value in (("--max-tokens", args.max_tokens), ("--batch-size", args.batch_size)):
+            if value is not None and value < 1:
+                raise DatasetError(f"{flag} must be >= 1, got {value}")
+        examples = load_eval_dataset(args.dataset, args.limit)
+    except DatasetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    llm = LLM.from_config(engine_config_from_args(args))
+    return evaluate_dataset(llm, examples, str(args.dataset), args.batch_size, args.max_tokens)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ import hashlib
 import json
 import math
 import random
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -270,6 +270,32 @@ def generate_workload(spec: WorkloadSpec, placeholder: str, vocab_words: Sequenc
     return requests
 
 
+def jsonl_objects(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-blank line of a JSONL file, read lazily (a caller may stop early);
+    ValueError naming `path:line` for a line that is not a JSON object."""
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{lineno}: each line must be a JSON object")
+            yield lineno, obj
+
+
+def resolve_dataset_image(dataset: Path, image: str, where: str) -> str:
+    """The absolute path of an image named on a line of a JSONL dataset: `~` expanded, a relative path taken
+    against the dataset file's folder. ValueError (starting with `where`) if no such file exists."""
+    img = Path(image).expanduser()
+    img = img if img.is_absolute() else dataset.parent / img
+    if not img.is_file():
+        raise ValueError(f"{where}: image {image!r} not found (looked at {img})")
+    return str(img.resolve())
+
+
 def load_jsonl(path: str | Path, default_max_tokens: int = 128, placeholder: str | None = None
                ) -> list[BenchRequest]:
     """A custom dataset: one `{"prompt": str, "images": [paths], "max_tokens": int}` object per line
@@ -277,40 +303,25 @@ def load_jsonl(path: str | Path, default_max_tokens: int = 128, placeholder: str
     placeholder, prompts that lack it get it once per image at the start; otherwise prompts stay as written."""
     path = Path(path)
     requests: list[BenchRequest] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{where}: each line must be a JSON object")
-            unknown = sorted(set(obj) - {"prompt", "images", "max_tokens"})
-            if unknown:
-                raise ValueError(f"{where}: unknown field(s) {unknown}; allowed: prompt, images, max_tokens")
-            prompt = obj.get("prompt")
-            if not isinstance(prompt, str):
-                raise ValueError(f"{where}: 'prompt' must be a string")
-            paths = obj.get("images", [])
-            if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-                raise ValueError(f"{where}: 'images' must be a list of file paths")
-            max_tokens = obj.get("max_tokens", default_max_tokens)
-            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-                raise ValueError(f"{where}: 'max_tokens' must be a positive int, got {max_tokens!r}")
-            resolved = []
-            for p in paths:
-                img = Path(p).expanduser()
-                img = img if img.is_absolute() else path.parent / img
-                if not img.is_file():
-                    raise ValueError(f"{where}: image {p!r} not found (looked at {img})")
-                resolved.append(str(img.resolve()))
-            if placeholder and paths and placeholder not in prompt:
-                prompt = placeholder * len(paths) + prompt
-            requests.append(BenchRequest(request_id=f"jsonl-{lineno}", prompt=prompt, images=resolved,
-                                         max_tokens=max_tokens, image_keys=list(resolved)))
+    for lineno, obj in jsonl_objects(path):
+        where = f"{path}:{lineno}"
+        unknown = sorted(set(obj) - {"prompt", "images", "max_tokens"})
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}; allowed: prompt, images, max_tokens")
+        prompt = obj.get("prompt")
+        if not isinstance(prompt, str):
+            raise ValueError(f"{where}: 'prompt' must be a string")
+        paths = obj.get("images", [])
+        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+            raise ValueError(f"{where}: 'images' must be a list of file paths")
+        max_tokens = obj.get("max_tokens", default_max_tokens)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"{where}: 'max_tokens' must be a positive int, got {max_tokens!r}")
+        resolved = [resolve_dataset_image(path, p, where) for p in paths]
+        if placeholder and paths and placeholder not in prompt:
+            prompt = placeholder * len(paths) + prompt
+        requests.append(BenchRequest(request_id=f"jsonl-{lineno}", prompt=prompt, images=resolved,
+                                     max_tokens=max_tokens, image_keys=list(resolved)))
     if not requests:
         raise ValueError(f"{path}: no requests in the file")
     return requests

@@ -14,7 +14,8 @@ from flashvlm.request import SamplingParams
 
 
 def normalize(text: str) -> str:
-    return text.strip().strip(".").strip().lower()
+    """Trimmed, without trailing (or leading) periods, internal whitespace runs as one space, lowercase."""
+    return " ".join(text.strip().strip(".").split()).lower()
 
 
 def evaluate(llm: Any, split: str = "test", num_examples: int = 200, batch_size: int = 64,
