@@ -19,11 +19,12 @@ import torch
 from flashvlm.pruning.base import PruningStrategy, TokenGrid, kept_count
 from flashvlm.pruning.similarity import unit_rows
 
-DEFAULT_THRESHOLD = 0.9
-"""Cosine similarity above which neighbours count as duplicates. Tokens of a region whose pixels are equal come
-out of a ViT nearly equal (only the position differs) and sit well above it; distinct content sits far below
-(unrelated directions in thousands of dimensions have cos near 0). Lower values merge textures and gradients
-too (fewer tokens, more accuracy risk); values near 1 merge only exact repeats."""
+DEFAULT_THRESHOLD = 0.95
+"""Cosine similarity above which neighbours count as duplicates. On the shipped demo model's scenes (at its
+168 px training size), of left-neighbour pairs where both 28 px blocks are flat background 82% are above 0.95
+(91% above 0.9), of pairs where the block holds an edge 4% (15% above 0.9): 0.95 merges most of a flat region
+while rarely merging detail. Lower values merge textures and gradients too (fewer tokens, more accuracy risk);
+values near 1 merge only exact repeats."""
 DEFAULT_TILE = 4
 
 

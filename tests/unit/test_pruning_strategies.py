@@ -20,7 +20,7 @@ from flashvlm.pruning.base import (
     kept_count,
     validate_keep_ratio,
 )
-from flashvlm.pruning.dedup import DEFAULT_TILE, DedupStrategy
+from flashvlm.pruning.dedup import DEFAULT_THRESHOLD, DEFAULT_TILE, DedupStrategy
 from flashvlm.pruning.registry import PRUNING_STRATEGIES, get_strategy
 
 PRUNING = ("pool", "divprune", "dedup")
@@ -184,21 +184,23 @@ def _noisy_flat(grid: TokenGrid, noise: float, seed: int, dim: int = 256) -> tor
 
 
 def test_dedup_threshold_maps_to_kept_fraction() -> None:
-    # How the threshold maps to the kept share: a flat region whose neighbours have cos ~0.96 (noise 0.2)
-    # collapses to one token per tile at the default 0.9 and is kept whole at 0.99; a textured region (cos ~0.8,
-    # noise 0.5) is kept at 0.9 and merges at 0.7; dense content (cos ~0) is kept at any of these.
+    # How the threshold maps to the kept share: a flat region whose neighbours have cos ~0.99 (noise 0.1)
+    # collapses to one token per tile at the default 0.95 and is kept whole at 0.999; a textured region (cos ~0.8,
+    # noise 0.5) is kept at 0.95 and merges at 0.7; dense content (cos ~0) is kept at any of these.
     grid = TokenGrid(1, 24, 24)
     tiles = (24 // DEFAULT_TILE) ** 2
+    assert DEFAULT_THRESHOLD == 0.95
 
-    def fraction(embeddings: torch.Tensor, threshold: float) -> float:
-        return DedupStrategy(threshold=threshold).select(embeddings, grid, 1.0).numel() / grid.num_tokens
+    def fraction(embeddings: torch.Tensor, threshold: float | None = None) -> float:
+        strategy = DedupStrategy() if threshold is None else DedupStrategy(threshold=threshold)
+        return strategy.select(embeddings, grid, 1.0).numel() / grid.num_tokens
 
-    flat, textured, dense = _noisy_flat(grid, 0.2, 1), _noisy_flat(grid, 0.5, 2), _random(grid, 3, dim=256)
-    assert fraction(flat, 0.9) == tiles / grid.num_tokens
-    assert fraction(flat, 0.99) == 1.0
-    assert fraction(textured, 0.9) == 1.0
+    flat, textured, dense = _noisy_flat(grid, 0.1, 1), _noisy_flat(grid, 0.5, 2), _random(grid, 3, dim=256)
+    assert fraction(flat) == tiles / grid.num_tokens
+    assert fraction(flat, 0.999) == 1.0
+    assert fraction(textured) == 1.0
     assert fraction(textured, 0.7) == tiles / grid.num_tokens
-    for threshold in (0.7, 0.9, 0.99):
+    for threshold in (0.7, None, 0.999):
         assert fraction(dense, threshold) == 1.0
 
 
