@@ -48,12 +48,20 @@ def pool_indices(grid: TokenGrid, count: int) -> torch.Tensor:
     return torch.tensor(lattice, dtype=torch.int64)
 
 
+@functools.lru_cache(maxsize=256)
+def _pinned_pool_indices(grid: TokenGrid, count: int) -> torch.Tensor:
+    # Copies from pinned memory are asynchronous; from pageable memory the driver may wait for the stream.
+    return pool_indices(grid, count).pin_memory()
+
+
 class PoolStrategy(PruningStrategy):
     """Keeps exactly `kept_count(N, keep_ratio)` tokens spread evenly over the grid. Cost: none on the device
-    (the indices are built on the host once per (grid, count) and copied over); no host sync."""
+    (the indices are built on the host once per (grid, count) and copied over asynchronously); no host sync."""
 
     name = "pool"
 
     def _select(self, embeddings: torch.Tensor, grid: TokenGrid, keep_ratio: float) -> torch.Tensor:
         count = kept_count(grid.num_tokens, keep_ratio)
+        if embeddings.device.type == "cuda":
+            return _pinned_pool_indices(grid, count).to(embeddings.device, non_blocking=True)
         return pool_indices(grid, count).to(embeddings.device, copy=True)

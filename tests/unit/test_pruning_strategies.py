@@ -108,10 +108,12 @@ def test_pool_spreads_evenly() -> None:
         assert (quadrants - share).abs().max() <= 0.1 * share.max() + 3, quadrants
 
 
-def test_pool_ignores_content() -> None:
+def test_pool_ignores_content_and_its_cache_is_not_handed_out() -> None:
     grid = TokenGrid(1, 13, 7)
-    assert torch.equal(get_strategy("pool").select(_random(grid, 1), grid, 0.3),
-                       get_strategy("pool").select(_random(grid, 2), grid, 0.3))
+    first = get_strategy("pool").select(_random(grid, 1), grid, 0.3)
+    expected = first.clone()
+    first.zero_()  # a caller writing into its result must not change the next image's choice
+    assert torch.equal(get_strategy("pool").select(_random(grid, 2), grid, 0.3), expected)
 
 
 def _clusters(grid: TokenGrid, sizes: list[int], seed: int, dim: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
