@@ -282,18 +282,30 @@ def test_names_and_counts_import_no_torch() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", PRUNING)
-def test_cuda_matches_cpu_and_syncs_only_where_documented(name: str) -> None:
-    grid = TokenGrid(1, 36, 36)
-    embeddings = _screenshot(36, 36, (slice(12, 24), slice(10, 26)), seed=5, dim=1024).bfloat16()
-    expected = get_strategy(name).select(embeddings, grid, 0.25)
-    on_device = embeddings.cuda()
+def test_cuda_agrees_with_cpu_and_syncs_only_where_documented(name: str) -> None:
+    grid = TokenGrid(1, 20, 20)
+    if name == "divprune":
+        # CUDA's float32 matmul rounds differently, so near-ties may break the other way: compare what the
+        # strategy is for (one token of every cluster), not the exact indices.
+        embeddings, labels = _clusters(grid, [380, 8, 6, 4, 2], seed=3, dim=1024)
+        ratio = 5 / grid.num_tokens
+    else:
+        embeddings, labels = _screenshot(20, 20, (slice(6, 14), slice(4, 16)), seed=5, dim=1024), None
+        ratio = 0.5  # above dedup's survivors (96 detail tokens + a margin token per tile): no ranking at the cap
+    embeddings = embeddings.bfloat16()
     strategy = get_strategy(name)
-    strategy.select(on_device, grid, 0.25)  # warm up (allocator, kernels)
+    on_device = embeddings.cuda()
+    strategy.select(on_device, grid, ratio)  # warm up: allocator, kernels, pool's pinned indices
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("default" if name == "dedup" else "error")
     try:
-        kept = strategy.select(on_device, grid, 0.25)
+        kept = strategy.select(on_device, grid, ratio)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert kept.device.type == "cuda"
-    assert torch.equal(kept.cpu(), expected)
+    assert kept.device.type == "cuda" and kept.dtype == torch.int64
+    kept = kept.cpu()
+    assert kept.tolist() == sorted(set(kept.tolist()))
+    if labels is None:
+        assert torch.equal(kept, strategy.select(embeddings, grid, ratio))
+    else:
+        assert sorted(labels[kept].tolist()) == [0, 1, 2, 3, 4]
