@@ -1,0 +1,110 @@
+"""The contract of a visual-token pruning strategy, and the one definition of how many tokens a keep ratio keeps.
+
+A strategy sees one image's merged embeddings, `(N, D)` in the raster order of its `TokenGrid` (frame, row,
+column), and returns the indices of the tokens to keep, sorted, so the kept tokens stay in raster order and each
+keeps its own (t, h, w) position. It never changes an embedding, so the encoder cache's full embeddings serve
+every strategy and ratio. This module imports no torch at run time (the scheduler and the input processor read
+`kept_count` and `validate_keep_ratio`)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+class PruningSettingError(ValueError):
+    """A pruning setting that cannot work (a keep ratio outside (0, 1], an unknown strategy name)."""
+
+
+class InvalidKeepRatioError(PruningSettingError):
+    pass
+
+
+class UnknownPruningStrategyError(PruningSettingError):
+    pass
+
+
+def validate_keep_ratio(value: Any) -> float:
+    """`value` as a float in (0, 1]; anything else (bools, strings, NaN, infinities, 0, > 1) raises
+    InvalidKeepRatioError naming the value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidKeepRatioError(
+            f"mm_token_keep_ratio must be a number in (0, 1], got {value!r} ({type(value).__name__})")
+    ratio = float(value)
+    if math.isnan(ratio) or not 0.0 < ratio <= 1.0:
+        raise InvalidKeepRatioError(
+            f"mm_token_keep_ratio must be in (0, 1] (the share of an image's tokens kept), got {value!r}")
+    return ratio
+
+
+def kept_count(num_tokens: int, keep_ratio: float) -> int:
+    """How many of `num_tokens` a keep ratio keeps: ceil(num_tokens * keep_ratio), at least 1, at most all.
+
+    The product is rounded to 9 decimals before the ceiling so float noise (100 * 0.07 = 7.000000000000001)
+    does not add a token."""
+    if num_tokens < 1:
+        raise ValueError(f"an image has at least one token, got {num_tokens}")
+    ratio = validate_keep_ratio(keep_ratio)
+    return min(num_tokens, max(1, math.ceil(round(num_tokens * ratio, 9))))
+
+
+@dataclass(frozen=True)
+class TokenGrid:
+    """The merged token grid of one image: `t` frames of `h` rows by `w` columns, tokens in raster order
+    (index = (frame * h + row) * w + column). For Qwen-VL it is the patch grid divided by spatial_merge_size."""
+
+    t: int
+    h: int
+    w: int
+
+    def __post_init__(self) -> None:
+        for axis in ("t", "h", "w"):
+            size = getattr(self, axis)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"TokenGrid.{axis} must be a positive int, got {size!r}")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.t * self.h * self.w
+
+    @classmethod
+    def from_patch_grid(cls, patch_grid: tuple[int, int, int], merge_size: int) -> TokenGrid:
+        """The merged grid of a (t, h, w) patch grid whose h and w the merger divides by `merge_size`."""
+        t, h, w = (int(x) for x in patch_grid)
+        if h % merge_size or w % merge_size:
+            raise ValueError(f"patch grid {patch_grid} is not divisible by the merge size {merge_size}")
+        return cls(t, h // merge_size, w // merge_size)
+
+
+class PruningStrategy(ABC):
+    """One way of choosing an image's kept tokens. `select` checks its arguments and calls `_select`, which
+    subclasses implement; `_select` must return sorted unique int64 indices on the embeddings' device, at least
+    one, and the same ones every call for the same inputs. Similarities are computed in float32 whatever the
+    embeddings' dtype."""
+
+    name: ClassVar[str]
+
+    def planned_count(self, num_tokens: int, keep_ratio: float) -> int | None:
+        """How many tokens `select` will keep, known before the vision tower runs: `kept_count` for strategies
+        whose count does not depend on the picture; None for those whose count follows the content (`dedup`),
+        which keep at most `kept_count(num_tokens, keep_ratio)`."""
+        return kept_count(num_tokens, keep_ratio)
+
+    def select(self, embeddings: Tensor, grid: TokenGrid, keep_ratio: float) -> Tensor:
+        """Sorted int64 indices (into the rows of `embeddings`, on its device) of the tokens to keep."""
+        if embeddings.dim() != 2:
+            raise ValueError(f"{self.name}: embeddings must be (tokens, dim), got shape {tuple(embeddings.shape)}")
+        if embeddings.shape[0] != grid.num_tokens:
+            raise ValueError(f"{self.name}: {embeddings.shape[0]} embeddings for a grid of "
+                             f"{grid.num_tokens} tokens {grid}")
+        return self._select(embeddings, grid, validate_keep_ratio(keep_ratio))
+
+    @abstractmethod
+    def _select(self, embeddings: Tensor, grid: TokenGrid, keep_ratio: float) -> Tensor:
+        raise NotImplementedError
