@@ -95,7 +95,7 @@ run_job() {  # job dir: run from inside the tree being measured
       script "$d/check" scripts/gpu_check.py
       script "$d/gemv" scripts/gpu_gemv.py
       if python3 -c "import flash_attn.cute" 2> /dev/null; then script "$d/fa4" scripts/gpu_fa4.py; fi ;;
-    vllm)  # the issue-18 workloads beside vLLM, one after the other on the same GPU, the same seeded requests
+    vllm)  # the throughput and long-prompt workloads beside vLLM, one after the other on the same GPU, the same seeded requests
       local V=(--baseline vllm --baseline-python "${VLLM_PYTHON:-python3}")
       local OFF=(--output-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.85)
       bench "$d/latency_1008x756" latency "${M[@]}" "${V[@]}" --output-tokens 128 --image-size 1008x756 \

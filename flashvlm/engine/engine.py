@@ -49,7 +49,9 @@ class Engine:
         torch.manual_seed(mc.seed)
         t0 = time.perf_counter()
         self.checkpoint = read_checkpoint(mc)
-        kv_scheme = checkpoint_kv_scheme(self.checkpoint.hf_config)  # refuses a scheme we cannot run, before loading
+        # An FP8 cache reads the checkpoint's KV scales: a scheme we cannot run is refused before loading. A cache in
+        # the model dtype ignores them, so such a checkpoint still loads.
+        kv_scheme = checkpoint_kv_scheme(self.checkpoint.hf_config) if config.cache.kv_cache_dtype != "auto" else None
         max_len = resolve_max_model_len(mc.max_model_len, self.checkpoint.max_position_embeddings)
         self.dtype = resolve_dtype(mc, self.checkpoint.hf_config, config.device)
         quant_plan = resolve_plan(mc.quantization, self.checkpoint.hf_config, mc.quantize_vision)

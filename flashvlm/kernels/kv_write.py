@@ -6,7 +6,7 @@ cache dtype. Slots < 0 mark padding rows (CUDA-graph batches padded to a capture
 An FP8 (e4m3) cache stores k / k_scale and v / v_scale (the layer's scales, 1-element float32 tensors), divided
 in float32 with round-to-nearest, saturated to +-448 and rounded to nearest even: bit for bit what
 attention/kv_quant.quantize_kv computes. The FP8 steps sit behind a constexpr, so a cache in the model's dtype
-compiles the same kernel as before.
+compiles no FP8 code.
 Grid: (N,), one program per token; each moves kv_heads * head_dim elements of K and of V.
 Limits: the last dim of k, v and the cache must be contiguous; the token and head strides of k and v are
 free (they may be views into a packed QKV output). Device tensors only, so the launch is graph-safe.

@@ -12,7 +12,7 @@ FP8 (e4m3) cache: each K/V tile is converted to q's dtype in registers (exact: e
 and fp32 value) and the per-layer scales are applied once rather than per element: k_scale folds into the score
 scale, v_scale multiplies the normalized output, so the result is softmax(q (K8 k_scale)^T scale) (V8 v_scale) as
 the reference computes it. The scales are 1-element tensors read in the kernel (CUDA-graph safe); the FP8 steps
-sit behind a constexpr, so a cache in the model's dtype compiles the same kernel as before.
+sit behind a constexpr, so a cache in the model's dtype compiles no FP8 code.
 Limits: q row i belongs to sequence i (pure-decode batch); last dims contiguous; device tensors only and a
 grid fixed by (num_seqs, num_splits), so launches can be captured in CUDA graphs.
 """

@@ -11,7 +11,7 @@ query_start_loc[i] // BLOCK_Q + i (an upper bound on the tiles before it); a pro
 binary search over query_start_loc and exits if it lies past the sequence's last tile.
 FP8 (e4m3) cache: as in paged_decode, K/V tiles are converted to q's dtype in registers, k_scale folds into the
 score scale and v_scale multiplies the output, behind a constexpr (a cache in the model's dtype compiles the same
-kernel as before); the scales are 1-element tensors read in the kernel.
+kernel without FP8 code); the scales are 1-element tensors read in the kernel.
 Limits: last dims contiguous; sequences with q_len 0 are allowed (no tiles); device tensors plus the host
 ints num_tokens, num_seqs and max_query_len (tile size choice), so the launch is graph-safe for fixed shapes.
 """

@@ -73,9 +73,6 @@ class Fp8Linear(QuantizedLinear):
             self.register_parameter("input_scale", None)
         self.folded = False
         """Whether finish_loading has put the checkpoint's tensors into the run-time layout."""
-        # The FP8 GEMV's split-K arrival counters, zeros between calls (one per 16 output columns), own to this layer.
-        self.register_buffer("gemv_locks", torch.zeros(_cdiv(n, 16), dtype=torch.int32, device=device),
-                             persistent=False)
 
     # ---- loading --------------------------------------------------------------------------------
     def load_tensor(self, param_name: str, tensor: torch.Tensor) -> None:

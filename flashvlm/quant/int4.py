@@ -54,9 +54,6 @@ class Int4Linear(QuantizedLinear):
         self.register_parameter("qweight", None)
         self.register_parameter("scales", None)
         self.register_parameter("zeros", None)
-        # The GEMV's split-K arrival counters, zeros between calls (one per 16 columns, its narrowest block).
-        self.register_buffer("gemv_locks", torch.zeros(-(-self.out_features // 16), dtype=torch.int32,
-                                                       device=device), persistent=False)
 
     # ---- building -------------------------------------------------------------------------------
     def allocate_checkpoint_tensors(self) -> None:

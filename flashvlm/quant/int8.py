@@ -55,9 +55,6 @@ class Int8Linear(QuantizedLinear):
             self.register_parameter("input_scale", None)
         self.register_buffer("x_scale", None, persistent=False)
         """The activations' static scale the kernels use (finish_loading); None: dynamic per token."""
-        # The GEMV's split-K arrival counters, as Linear keeps them (zeros between calls, this layer's own).
-        self.register_buffer("gemv_locks", torch.zeros(-(-n // 16), dtype=torch.int32, device=device),
-                             persistent=False)
 
     def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
         if param_name in _SYMMETRIC_ZERO_POINTS:

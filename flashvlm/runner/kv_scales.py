@@ -36,8 +36,6 @@ CALIBRATION_TOKENS = 512
 """Length of the calibration prompt (capped by max_num_batched_tokens and max_model_len): long enough for each
 layer to see its attention-sink first token, its bias-driven large channels and hundreds of ordinary tokens."""
 
-SCALE_SOURCES = ("none", "checkpoint", "calibrated")
-"""EngineLimits.kv_scale_source's values: none = a cache in the model's dtype (no scales)."""
 
 _SUPPORTED_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 _SCHEME_DEFAULTS = {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False, "symmetric": True}

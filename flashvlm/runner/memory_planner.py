@@ -114,6 +114,9 @@ class MemoryPlanner:
         if self.device.type != "cuda":
             tokens = self.max_model_len * min(self.config.scheduler.max_num_seqs, CPU_KV_SEQUENCES)
             return (tokens // self.block_size + 2) * self.kv_bytes_per_block(self.dtype) // self.kv_bytes_per_block()
+        # Memory freed into torch's caching allocator at load (the float weights a quantization pass replaced) is
+        # free, not in use: hand it back before reading what the device has left.
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         peak = self.profile_peak_memory(vision_items() if vision_items is not None else [])
         budget = (total * cache.gpu_memory_utilization - (total - free) - peak - self.graph_reserves().total

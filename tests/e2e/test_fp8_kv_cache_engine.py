@@ -216,14 +216,20 @@ def test_checkpoint_scales_we_cannot_use_are_refused(tmp_path: Path, scales, sch
         LLM(str(path), device="cpu", kv_cache_tokens=512, kv_cache_dtype="fp8")
 
 
-def test_per_head_scale_tensors_are_named(tmp_path: Path) -> None:
+def test_per_head_scale_tensors_are_named_and_not_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Undeclared per-head K scales: a model-dtype cache loads the checkpoint as before, an FP8 cache calibrates its
+    own scales; both name the tensor they leave unused."""
     path = build_qwen2_vl(tmp_path / "m", seed=2)
     tensors = load_file(path / "model.safetensors")
     name = next(n for n in tensors if n.endswith("layers.0.self_attn.k_proj.weight"))
     tensors[name.replace("k_proj.weight", "k_scale")] = torch.ones(2, 1, 1)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ConfigError, match=r"k_scale has shape \(2, 1, 1\): flashvlm reads one K and one V scale"):
-        LLM(str(path), device="cpu", kv_cache_tokens=512)
+    for kv_cache_dtype, source in (("auto", "none"), ("fp8", "calibrated")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="flashvlm.models.weight_utils"):
+            llm = LLM(str(path), device="cpu", kv_cache_tokens=512, kv_cache_dtype=kv_cache_dtype)
+        assert llm.engine.limits.kv_scale_source == source
+        assert "k_scale has shape (2, 1, 1): flashvlm reads one K and one V scale per layer" in caplog.text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and FlashAttention-4 need a GPU")
@@ -254,3 +260,18 @@ def test_on_a_gpu_graphs_read_the_scales_and_fa4_falls_back() -> None:
     assert engines["graphs"].engine.runner.graphs is not None
     assert answers["graphs"] == answers["eager"]
     assert [a[:8] for a in answers["eager"]] == [a[:8] for a in answers["reference"]]
+
+
+def test_a_kv_scheme_we_cannot_run_only_stops_an_fp8_cache(tmp_path: Path) -> None:
+    """A checkpoint whose kv_cache_scheme is per channel loads with a cache in the model dtype (its KV scales are
+    not read) and is refused, naming the scheme, when the cache is FP8."""
+    path = build_qwen2_vl(tmp_path / "m", seed=2)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {},
+                                     "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                                         "dynamic": False, "symmetric": True}}
+    (path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(path), device="cpu", kv_cache_tokens=512)
+    assert llm.engine.limits.kv_scale_source == "none" and llm.engine.limits.quantization is None
+    with pytest.raises(ConfigError, match=r"kv_cache_scheme \(strategy='channel'\) is not one flashvlm runs"):
+        LLM(str(path), device="cpu", kv_cache_tokens=512, kv_cache_dtype="fp8")
