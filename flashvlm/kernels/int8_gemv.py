@@ -110,7 +110,7 @@ def _w8a8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, lo
             xq = xv
         else:
             xq = _quantize_block(xv.to(tl.float32), safe_scale)
-        acc = tl.dot(xq, tl.trans(w), acc)
+        acc = tl.dot(xq, tl.trans(w), acc, out_dtype=tl.int32)
     out_mask = row_ok[:, None] & col_ok[None, :]
     ty = out_ptr.dtype.element_ty
     w_scale = tl.load(ws_ptr + cols, mask=col_ok, other=0.0)
