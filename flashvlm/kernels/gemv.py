@@ -134,9 +134,10 @@ def gemv_shapes(x: torch.Tensor, weight: torch.Tensor, kernel: str) -> tuple[int
 
 
 def split_k_buffers(out: torch.Tensor, k: int, rows: int, block_k: int, split_k: int, lock_count: int,
-                    locks: torch.Tensor | None) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-    """(K per split, splits, float32 partials workspace (splits, rows, N), arrival counters) for a launch writing
-    `out` (M, N); without a split, both buffers are `out` (unused). No split is left empty."""
+                    locks: torch.Tensor | None, part_dtype: torch.dtype = torch.float32,
+                    ) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """(K per split, splits, partials workspace (splits, rows, N) in part_dtype, arrival counters) for a launch
+    writing `out` (M, N); without a split, both buffers are `out` (unused). No split is left empty."""
     k_per_split = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k
     split = triton.cdiv(k, k_per_split)
     if split == 1:
@@ -145,7 +146,7 @@ def split_k_buffers(out: torch.Tensor, k: int, rows: int, block_k: int, split_k:
         locks = torch.zeros(lock_count, dtype=torch.int32, device=out.device)
     elif locks.dtype != torch.int32 or locks.numel() < lock_count or locks.device != out.device:
         raise ValueError(f"locks must be >= {lock_count} int32 zeros on {out.device}")
-    part = torch.empty((split, rows, out.shape[1]), dtype=torch.float32, device=out.device)
+    part = torch.empty((split, rows, out.shape[1]), dtype=part_dtype, device=out.device)
     return k_per_split, split, part, locks
 
 

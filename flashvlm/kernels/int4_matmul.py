@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashvlm.kernels.gemv import split_k_buffers
 from flashvlm.kernels.int4_layout import BLOCK_K, PLANE, SYMMETRIC_ZERO, padded_k
 
 __all__ = ["W4Config", "gemm_config", "gemv_config", "gemv_lock_count", "w4a16_gemm", "w4a16_gemv"]
@@ -215,21 +216,13 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         raise ValueError(f"w4a16_gemv takes 1..{_ROWS} rows, got {m}")
     x = x if x.stride(1) == 1 else x.contiguous()
     cfg = config or gemv_config(n, k)
-    blocks = triton.cdiv(k, BLOCK_K)
-    per_split = triton.cdiv(blocks, cfg.split_k)
-    split = triton.cdiv(blocks, per_split)  # no empty splits
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    part = out
-    if split > 1:
-        part = torch.empty((split, _ROWS, n), dtype=torch.float32, device=x.device)
-        need = gemv_lock_count(n, cfg)
-        if locks is None:
-            locks = torch.zeros(need, dtype=torch.int32, device=x.device)
-        elif locks.dtype != torch.int32 or locks.numel() < need or locks.device != x.device:
-            raise ValueError(f"locks must be >= {need} int32 zeros on {x.device}")
+    k_per_split, split, part, locks = split_k_buffers(out, k, _ROWS, BLOCK_K, cfg.split_k, gemv_lock_count(n, cfg),
+                                                      locks)
+    per_split = k_per_split // BLOCK_K  # the kernel counts a split in blocks of BLOCK_K inputs
     _w4a16_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, out,
-        part, locks if split > 1 else out, m, n, k, scales.shape[0], per_split, split,
+        part, locks, m, n, k, scales.shape[0], per_split, split,
         x.stride(0), qweight.stride(0), out.stride(0),
         GROUP=group_size, ROWS=_ROWS, BLOCK_N=cfg.block_n, HAS_ZERO=zeros is not None, ZERO=SYMMETRIC_ZERO,
         HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=k % BLOCK_K == 0, SWAP=cfg.swap,

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashvlm.kernels.gemv import split_k_buffers
 from flashvlm.kernels.int8_torch import check_w8a8_operands
 
 __all__ = ["Int8GemvConfig", "dequantize_product_triton", "int8_gemv_config", "int8_gemv_lock_count",
@@ -229,21 +230,13 @@ def w8a8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or int8_gemv_config(n, k)
-    steps = triton.cdiv(k, cfg.block_k)
-    k_per_split = triton.cdiv(steps, cfg.split_k) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)  # no empty splits
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-    part = out
-    if split > 1:
-        part = torch.empty((split, _ROWS, n), dtype=torch.int32, device=x.device)
-        need = int8_gemv_lock_count(n, cfg)
-        if locks is None:
-            locks = torch.zeros(need, dtype=torch.int32, device=x.device)
-        elif locks.dtype != torch.int32 or locks.numel() < need or locks.device != x.device:
-            raise ValueError(f"locks must be >= {need} int32 zeros on {x.device}")
+    # int32 partials: the split sums add exactly.
+    k_per_split, split, part, locks = split_k_buffers(out, k, _ROWS, cfg.block_k, cfg.split_k,
+                                                      int8_gemv_lock_count(n, cfg), locks, part_dtype=torch.int32)
     _w8a8_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, x_scale if x_scale is not None else weight_scale, weight, weight_scale,
-        bias if bias is not None else weight_scale, out, part, locks if split > 1 else out, m, n, k,
+        bias if bias is not None else weight_scale, out, part, locks, m, n, k,
         k_per_split, split, x.stride(0), weight.stride(0), out.stride(0),
         ROWS=_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, HAS_BIAS=bias is not None,
         X_MODE=mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
