@@ -110,7 +110,10 @@ def quantize_fp8_per_token_reference(x: torch.Tensor, input_scale: torch.Tensor 
     """The plain-torch form of `quantize_fp8_per_token` (same bytes)."""
     xf = x.float()
     if input_scale is None:
-        scales = xf.abs().amax(dim=1, keepdim=True).clamp(min=FP8_ACT_EPS) / FP8_MAX
+        amax = xf.abs().amax(dim=1, keepdim=True).clamp(min=FP8_ACT_EPS)
+        # A tensor divisor: CUDA torch turns division by a Python number into a multiply by its reciprocal,
+        # which can differ from the kernel's IEEE division in the last bit.
+        scales = amax / torch.full_like(amax, FP8_MAX)
     else:
         scales = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).clone()
     q = (xf * (1.0 / scales)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

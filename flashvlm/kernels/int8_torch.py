@@ -40,7 +40,8 @@ def quantize_rows_reference(x: torch.Tensor,
     rounds half to even). A row whose scale is 0 quantizes to zeros."""
     xf = x.float()
     if x_scale is None:
-        scale = xf.abs().amax(dim=-1) / QMAX
+        amax = xf.abs().amax(dim=-1)
+        scale = amax / torch.full_like(amax, QMAX)  # IEEE division on CUDA too (see quant/fp8_math.scale_of)
     else:
         scale = x_scale.float().reshape(1).expand(xf.shape[0])
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))

@@ -18,7 +18,10 @@ MIN_SCALE = 1e-12
 
 
 def scale_of(amax: torch.Tensor) -> torch.Tensor:
-    return (amax.float() / E4M3_MAX).clamp(min=MIN_SCALE)
+    # Divided by a tensor: CUDA torch turns division by a Python number into a multiply by its reciprocal, which
+    # can round differently in the last bit; IEEE division gives the same scales on every device.
+    amax = amax.float()
+    return (amax / torch.full_like(amax, E4M3_MAX)).clamp(min=MIN_SCALE)
 
 
 def round_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ import contextlib
 import pytest
 import torch
 
+from flashvlm.kernels.fp8_quant import quantize_fp8_per_token_reference
 from flashvlm.layers.linear import Linear, MergedLinear
 from flashvlm.quant.base import QuantFormatError
 from flashvlm.quant.fp8 import Fp8Method
@@ -243,10 +244,18 @@ def test_cuda_dispatch_hands_the_gemv_its_contract(monkeypatch) -> None:
     assert call["weight"].dtype == FP8 and call["weight"].shape == (128, 64)
     assert call["weight_scale"].dtype == torch.float32 and call["weight_scale"].shape == (128,)
     assert call["input_scale"] is None and call["locks"].dtype == torch.int32 and call["bias"] is fp8.bias
-    # past gemv_max_rows: torch._scaled_mm (a CPU build without it raises; the GEMV must not run either way)
+    # past gemv_max_rows: the per-token quantizer (a recording stand-in: the Triton one cannot take CPU tensors on a
+    # CUDA machine) and torch._scaled_mm (a CPU build without it raises); the GEMV must not run either way
+    quantized: list[torch.Tensor] = []
+
+    def fake_quantizer(x, *, input_scale=None):
+        quantized.append(x)
+        return quantize_fp8_per_token_reference(x, input_scale)
+
+    monkeypatch.setattr(fp8_linear, "_fp8_quantizer", lambda: fake_quantizer)
     with contextlib.suppress(RuntimeError, NotImplementedError):
         fp8._forward_cuda(_inputs(17, 64, 2).bfloat16())
-    assert len(calls) == 1
+    assert len(calls) == 1 and len(quantized) == 1 and quantized[0].shape == (17, 64)
     block = Fp8Method().quantize(layer, Fp8Scheme("block", "dynamic", (16, 32)))
     torch.testing.assert_close(block._forward_cuda(x).float(), block(x).float(), rtol=2e-2, atol=2e-2)
     assert len(calls) == 1
