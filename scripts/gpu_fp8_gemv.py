@@ -51,8 +51,8 @@ SHAPES = {  # name: (N, K, bias)
 SMOKE_SHAPES = {"qkv": (96, 80, True), "o_proj": (48, 80, False), "gate_up": (160, 80, False),
                 "down": (48, 300, False)}
 GRID = (
-    [Fp8GemvConfig(bn, bk, split, 4, 3, dot) for dot in ("fp8", "f16") for bn in (32, 64, 128) for bk in (256, 512)
-     for split in (1, 2, 4)]
+    [Fp8GemvConfig(bn, bk, split, 4, 3, "fp8") for bn in (32, 64, 128) for bk in (256, 512) for split in (1, 2, 4)]
+    + [Fp8GemvConfig(64, bk, split, 4, 3, "f16") for bk in (256, 512) for split in (1, 2)]
     + [Fp8GemvConfig(bn, 256, split, 4, 4, "fp8") for bn in (32, 64, 128) for split in (1, 2, 4)]
     + [Fp8GemvConfig(16, 512, split, 4, 3, "fp8") for split in (1, 2, 4)]
     + [Fp8GemvConfig(128, bk, split, 8, 3, "fp8") for bk in (256, 512) for split in (1, 2)]

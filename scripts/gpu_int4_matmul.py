@@ -71,7 +71,14 @@ def bench_shape(name: str, n: int, k: int, has_bias: bool, rows_list: list[int],
                 args: argparse.Namespace, res: dict) -> None:
     from flashvlm.kernels.gemv import gemv_triton
     from flashvlm.kernels.int4_layout import w4a16_dequantize
-    from flashvlm.kernels.int4_matmul import W4Config, gemm_config, gemv_config, w4a16_gemm, w4a16_gemv
+    from flashvlm.kernels.int4_matmul import (
+        W4Config,
+        gemm_config,
+        gemv_config,
+        w4a16_dequantize_triton,
+        w4a16_gemm,
+        w4a16_gemv,
+    )
 
     device, dtype = args.device, args.dtype
     measure = timer(device)
@@ -116,7 +123,10 @@ def bench_shape(name: str, n: int, k: int, has_bias: bool, rows_list: list[int],
                      if not (swap and bn < 64)]  # a swapped tile is the dot's M: 64 and up
         elif args.sweep:
             grid += [W4Config(bn, 1, bm, warps, stages) for bm, bn, warps, stages in
-                     itertools.product((64, 128), (64, 128, 256), (4, 8), (2, 3))]
+                     itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
+        if not gemv:  # the many-row path: the weight dequantized by one launch, then cuBLAS bf16
+            out.append(run("dequant+cublas", lambda i, x=x: F.linear(
+                x, w4a16_dequantize_triton(*ws[i], GROUP, k, dtype), bias), ref, copies))
         for cfg in dict.fromkeys(grid):
             if gemv:
                 fn = (lambda i, x=x, cfg=cfg: w4a16_gemv(x, *ws[i], GROUP, bias, config=cfg, locks=locks))
@@ -129,7 +139,7 @@ def bench_shape(name: str, n: int, k: int, has_bias: bool, rows_list: list[int],
         shown = [r for r in rows_out if r["config"] in (None, list(default))] + rows_out[:3]
         for r in dict.fromkeys(map(json.dumps, shown)):
             r = json.loads(r)
-            quantized = r["variant"].startswith("w4a16")
+            quantized = r["variant"].startswith(("w4a16", "dequant"))
             tag = "default " if r["config"] == list(default) else ""
             tbs = (nbytes if quantized else n * k * 2) / r["us"] / 1e6
             flops = 2 * rows * n * k / r["us"] / 1e6
@@ -158,7 +168,7 @@ def main() -> None:
     shapes = {"tiny": (96, 640, True)} if opts.smoke else SHAPES
     names = os.environ.get("SHAPES", ",".join(shapes)).split(",")
     rows = [int(r) for r in os.environ.get("ROWS", "1,4,16").split(",")]
-    gemm_rows = [int(r) for r in os.environ.get("GEMM_ROWS", "40" if opts.smoke else "512,2048").split(",")]
+    gemm_rows = [int(r) for r in os.environ.get("GEMM_ROWS", "40" if opts.smoke else "64,128,512,2048").split(",")]
     res: dict = {"symmetric": opts.symmetric, "group_size": GROUP}
     for name in names:
         bench_shape(name, *shapes[name], rows, gemm_rows, opts, res)

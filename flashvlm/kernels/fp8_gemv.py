@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashvlm.kernels.act_scales import PROLOGUE_UNROLL, prologue_shape, row_amax
 from flashvlm.kernels.dispatch import interpreter_active, next_power_of_2
 from flashvlm.kernels.fp8_quant import (
     FP8_ACT_EPS,
@@ -40,8 +41,6 @@ __all__ = ["Fp8GemvConfig", "fp8_gemv", "fp8_gemv_config", "fp8_gemv_lock_count"
 
 _ROWS = 16
 _FMA_MAX_ROWS = 4
-_PROLOGUE_ELEMENTS = 4096  # x elements of one load of a program's amax pass
-_PROLOGUE_UNROLL = 4  # such loads in flight at once
 _DOTS = {"fp8": 0, "f16": 1, "fma": 2}
 
 
@@ -62,27 +61,6 @@ class Fp8GemvConfig(NamedTuple):
 
 
 @triton.jit
-def _row_scales(x_ptr, M, K, x_stride, eps, ROWS: tl.constexpr, PRO_ROWS: tl.constexpr, PRO_K: tl.constexpr,
-                UNROLL: tl.constexpr):
-    """Each row's dynamic scale, max(amax, eps) / 448, as a (ROWS,) vector (1.0 for the padding rows). The pass
-    loads (PRO_ROWS, PRO_K) tiles, PRO_ROWS the rows rounded up to a power of two, so one row's pass takes few
-    wide loads rather than many mostly masked 16-row ones, and issues UNROLL of them at a time: its
-    latency comes before the program's first weight load."""
-    prow = tl.arange(0, PRO_ROWS)
-    amax = tl.zeros((PRO_ROWS, PRO_K), dtype=tl.float32)
-    for k0 in range(0, K, PRO_K * UNROLL):
-        for u in tl.static_range(UNROLL):
-            ks = k0 + u * PRO_K + tl.arange(0, PRO_K)
-            t = tl.load(x_ptr + prow[:, None] * x_stride + ks[None, :],
-                        mask=(prow < M)[:, None] & (ks < K)[None, :], other=0.0)
-            amax = tl.maximum(amax, tl.abs(t.to(tl.float32)))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=1), eps), 448.0)
-    rows = tl.arange(0, ROWS)
-    spread = tl.max(tl.where(rows[:, None] == prow[None, :], scale[None, :], 0.0), axis=1)
-    return tl.where(rows < PRO_ROWS, spread, 1.0)
-
-
-@triton.jit
 def _dequantize(acc, x_scale, ws_ptr, b_ptr, cols, col_ok, HAS_BIAS: tl.constexpr):
     y = acc * x_scale[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
@@ -90,7 +68,7 @@ def _dequantize(acc, x_scale, ws_ptr, b_ptr, cols, col_ok, HAS_BIAS: tl.constexp
     return y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one binary for every batch size: graphs capture many
 def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, xs_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, k_per_split,
                      num_splits, x_stride, w_stride, out_stride, eps,
                      ROWS: tl.constexpr, PRO_ROWS: tl.constexpr, PRO_K: tl.constexpr, PRO_UNROLL: tl.constexpr,
@@ -105,8 +83,9 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, xs_ptr, out_ptr, part_ptr, loc
     col_ok = cols < N
     rows = tl.arange(0, ROWS)
     row_ok = rows < M
-    if X_MODE == 0:
-        x_scale = _row_scales(x_ptr, M, K, x_stride, eps, ROWS, PRO_ROWS, PRO_K, PRO_UNROLL)
+    if X_MODE == 0:  # padding rows get eps / 448: their x is zeros, which quantize to zeros
+        amax = row_amax(x_ptr, M, K, x_stride, ROWS, PRO_ROWS, PRO_K, PRO_UNROLL)
+        x_scale = tl.math.div_rn(tl.maximum(amax, eps), 448.0)
     elif X_MODE == 1:
         x_scale = tl.zeros((ROWS,), dtype=tl.float32) + tl.load(xs_ptr)
     else:
@@ -200,12 +179,11 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     k_per_split, split, part, locks = split_k_buffers(out, k, rows, cfg.block_k, cfg.split_k,
                                                       fp8_gemv_lock_count(n, cfg), locks)
-    pro_rows = next_power_of_2(m)
+    pro_rows, pro_k = prologue_shape(m, k)
     _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, weight, weight_scale, bias if bias is not None else weight_scale, x_scale if x_scale is not None else
         weight_scale, out, part, locks, m, n, k, k_per_split, split, x.stride(0), weight.stride(0), out.stride(0),
-        FP8_ACT_EPS, ROWS=rows, PRO_ROWS=pro_rows, PRO_K=min(_PROLOGUE_ELEMENTS // pro_rows, next_power_of_2(k)),
-        PRO_UNROLL=_PROLOGUE_UNROLL,
+        FP8_ACT_EPS, ROWS=rows, PRO_ROWS=pro_rows, PRO_K=pro_k, PRO_UNROLL=PROLOGUE_UNROLL,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, X_MODE=x_mode, DOT=_DOTS[cfg.dot], SPLIT=split > 1,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         ROUND_BITS=round_bits, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

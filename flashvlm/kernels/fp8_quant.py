@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashvlm.kernels.act_scales import quantize_warps
 from flashvlm.kernels.dispatch import interpreter_active, next_power_of_2
 
 __all__ = ["FP8_ACT_EPS", "FP8_MAX", "quantize_fp8_per_token", "quantize_fp8_per_token_reference", "round_to_e4m3"]
@@ -29,7 +30,7 @@ FP8_MAX = 448.0
 """Largest finite float8_e4m3fn value."""
 FP8_ACT_EPS = 1e-12
 """Floor on a row's amax, so an all-zero row gets a finite scale (and quantizes to zeros)."""
-_MAX_BLOCK = 8192
+_MAX_BLOCK = 32768  # a row of up to this many inputs is quantized in one pass
 
 
 @triton.jit
@@ -58,22 +59,31 @@ def quantize_tile(x, inv_scale, ROUND_BITS: tl.constexpr):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, K, x_stride, q_stride, eps,
-                          BLOCK: tl.constexpr, STATIC: tl.constexpr, ROUND_BITS: tl.constexpr):
+                          BLOCK: tl.constexpr, STATIC: tl.constexpr, ROUND_BITS: tl.constexpr,
+                          ONE_PASS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
-    if STATIC:
-        scale = tl.load(static_ptr)
-    else:
+    if ONE_PASS:  # the whole row in one load, kept in registers for the rounding
+        ks = tl.arange(0, BLOCK)
+        x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+        amax = tl.abs(x)
+    elif not STATIC:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
             ks = k0 + tl.arange(0, BLOCK)
             amax = tl.maximum(amax, tl.abs(tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)))
+    if STATIC:
+        scale = tl.load(static_ptr)
+    else:
         scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), eps), 448.0)
     inv = tl.math.div_rn(1.0, scale)
-    for k0 in range(0, K, BLOCK):
-        ks = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+    if ONE_PASS:
         tl.store(q_ptr + row * q_stride + ks, quantize_tile(x, inv, ROUND_BITS), mask=ks < K)
+    else:
+        for k0 in range(0, K, BLOCK):
+            ks = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+            tl.store(q_ptr + row * q_stride + ks, quantize_tile(x, inv, ROUND_BITS), mask=ks < K)
     tl.store(scale_ptr + row, scale)
 
 
@@ -99,8 +109,8 @@ def quantize_fp8_per_token(x: torch.Tensor, *, input_scale: torch.Tensor | None 
         _quantize_rows_kernel[(m,)](
             x, q, scales, input_scale if input_scale is not None else scales, k, x.stride(0), q.stride(0),
             FP8_ACT_EPS, BLOCK=block, STATIC=input_scale is not None,
-            ROUND_BITS=interpreter_active() if round_bits is None else round_bits,
-            num_warps=8 if block >= 4096 else 4,
+            ROUND_BITS=interpreter_active() if round_bits is None else round_bits, ONE_PASS=block >= k,
+            num_warps=quantize_warps(block),
         )
     return q, scales
 

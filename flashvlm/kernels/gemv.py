@@ -53,18 +53,19 @@ def load_gemv_tiles(w_rows, x_rows, ks, k_end, col_ok, row_ok, EVEN_K: tl.conste
 @triton.jit
 def split_k_gather(acc, part_ptr, lock_ptr, pid_n, pid_k, num_splits, rows, cols, out_mask, N,
                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Publishes this split's partial sums (float32 workspace (num_splits, ROWS, N)) and arrives at its column
-    block's counter. Returns (last, total): whether this program arrived last and, if so, every split's partial
-    added in split order (its counter then reset, ready for the next call); the caller writes the output."""
+    """Publishes this split's partial sums (workspace (num_splits, ROWS, N) in acc's dtype: float32, or int32 for
+    exact integer sums) and arrives at its column block's counter. Returns (last, total): whether this program
+    arrived last and, if so, every split's partial added in split order (its counter then reset, ready for the
+    next call); the caller writes the output."""
     parts = part_ptr + rows[:, None] * N + cols[None, :]
     tl.store(parts + pid_k * ROWS * N, acc, mask=out_mask)
     tl.debug_barrier()  # every thread's partial is written before the arrival is published
     arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
     last = arrived == num_splits - 1
-    total = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    total = tl.zeros((ROWS, BLOCK_N), dtype=acc.dtype)
     if last:
         for s in range(num_splits):
-            total += tl.load(parts + s * ROWS * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            total += tl.load(parts + s * ROWS * N, mask=out_mask, other=0, cache_modifier=".cg")
         tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # no program of this call reads it again
     return last, total
 

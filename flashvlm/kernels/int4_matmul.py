@@ -22,13 +22,16 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from flashvlm.kernels.gemv import split_k_buffers
+from flashvlm.kernels.gemv import split_k_buffers, split_k_gather
 from flashvlm.kernels.int4_layout import BLOCK_K, PLANE, SYMMETRIC_ZERO, padded_k
 
-__all__ = ["W4Config", "gemm_config", "gemv_config", "gemv_lock_count", "w4a16_gemm", "w4a16_gemv"]
+__all__ = ["DEQUANTIZE_MIN_ROWS", "W4Config", "gemm_config", "gemv_config", "gemv_lock_count",
+           "w4a16_dequantize_triton",
+           "w4a16_gemm", "w4a16_gemv"]
 
 _ROWS = 16
 
@@ -67,7 +70,7 @@ def _group_params(s_ptr, z_ptr, k, cols, col_ok, N, num_groups,
     return scale, zero
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one binary for every batch size: graphs capture many
 def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, lock_ptr,
                        M, N, K, num_groups, blocks_per_split, num_splits, x_stride, w_stride, out_stride,
                        GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ZERO: tl.constexpr,
@@ -108,25 +111,17 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, loc
     out_ptrs = out_ptr + rows[:, None] * out_stride + cols[None, :]
     out_mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT:
-        # partials (num_splits, ROWS, N) float32; the last arrival of this column block reduces them
-        partials = part_ptr + rows[:, None] * N + cols[None, :]
-        tl.store(partials + pid_k * ROWS * N, acc, mask=out_mask)
-        tl.debug_barrier()  # this program's partial is written before its arrival is counted
-        if tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-            for s in range(num_splits):
-                acc += tl.load(partials + s * ROWS * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptrs, acc.to(ty), mask=out_mask)
-            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+        last, acc = split_k_gather(acc, part_ptr, lock_ptr, pid_n, pid_k, num_splits, rows, cols, out_mask, N,
+                                   ROWS, BLOCK_N)
     else:
+        last = True
+    if last:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptrs, acc.to(ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one binary for every batch size: graphs capture many
 def _w4a16_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, num_groups,
                        x_stride, w_stride, out_stride,
                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ZERO: tl.constexpr,
@@ -159,6 +154,26 @@ def _w4a16_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, num_
     tl.store(out_ptrs, acc.to(ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _w4_dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, num_groups, w_stride, out_stride,
+                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ZERO: tl.constexpr, ZERO: tl.constexpr):
+    """One 256-input block of BLOCK_N rows of W, dequantized as the GEMM's tiles are, to out (N, K)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    blk = tl.program_id(1)
+    j = tl.arange(0, 32)
+    words = tl.load(w_ptr + cols.to(tl.int64)[:, None] * w_stride + blk * 32 + j[None, :], mask=col_ok[:, None],
+                    other=0)
+    outs = out_ptr + cols.to(tl.int64)[:, None] * out_stride + j[None, :]
+    for i in tl.static_range(8):
+        k = blk * 256 + i * 32
+        scale, zero = _group_params(s_ptr, z_ptr, k, cols, col_ok, N, num_groups, GROUP, HAS_ZERO, ZERO)
+        tl.store(outs + k, _plane(words, i, scale, zero, out_ptr.dtype.element_ty),
+                 mask=col_ok[:, None] & (k + j < K)[None, :])
+
+
+DEQUANTIZE_MIN_ROWS = 128
+"""Rows from which w4a16_gemm dequantizes the weight for cuBLAS rather than running its fused kernel."""
 _SMS = 132
 """Streaming multiprocessors of the H200 the split choice was sized for (more programs than SMs keep loads in
 flight)."""
@@ -234,10 +249,13 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                group_size: int, bias: torch.Tensor | None = None, *,
                config: W4Config | None = None) -> torch.Tensor:
-    """x (M, K) -> (M, N) for any M (prefill)."""
+    """x (M, K) -> (M, N) for any M (prefill). From DEQUANTIZE_MIN_ROWS rows the weight is dequantized to x's
+    dtype first (one pass writing N * K half floats) for cuBLAS, whose bf16 GEMM outruns the fused one there."""
     _check(x, qweight, scales, zeros, group_size)
     m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
     x = x if x.stride(1) == 1 else x.contiguous()
+    if config is None and m >= DEQUANTIZE_MIN_ROWS and x.is_cuda:
+        return F.linear(x, w4a16_dequantize_triton(qweight, scales, zeros, group_size, k, x.dtype), bias)
     cfg = config or gemm_config(m, n)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -249,4 +267,16 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         ZERO=SYMMETRIC_ZERO, HAS_BIAS=bias is not None, EVEN_K=k % BLOCK_K == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    return out
+
+
+def w4a16_dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                            group_size: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The (N, k) weight in `dtype`, as int4_layout.w4a16_dequantize computes it, in one launch."""
+    n = qweight.shape[0]
+    out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    if n and k:
+        _w4_dequantize_kernel[(triton.cdiv(n, 64), triton.cdiv(k, BLOCK_K))](
+            qweight, scales, zeros if zeros is not None else scales, out, n, k, scales.shape[0], qweight.stride(0),
+            out.stride(0), GROUP=group_size, BLOCK_N=64, HAS_ZERO=zeros is not None, ZERO=SYMMETRIC_ZERO)
     return out

@@ -1,7 +1,7 @@
 """INT8 W8A8 products: y (M, N) = dequant(quant(x) (M, K) @ W_q (N, K)^T) (+ bias), in x's dtype.
 
 Weights are int8 with one float32 scale per output channel (s_w, (N,)). Activations are quantized per token:
-s_x[m] = amax(|x[m]|) / 127 and x_q = round_half_even(x / s_x) clamped to [-127, 127] (dynamic), or with one
+s_x[m] = amax(|x[m]|) / 127 and x_q = round_half_even(x * (1 / s_x)) clamped to [-127, 127] (dynamic), or with one
 per-tensor scale from the checkpoint (static). The product of the integers is summed in int32, which is exact:
 |x_q * w_q| <= 127 * 128, so K up to 131,072 cannot overflow, and an integer sum does not depend on its order,
 so split-K partials add to the same answer however the programs finish. (float32 accumulation would round once
@@ -9,14 +9,18 @@ the sums pass 2^24, which Qwen2-7B's K of 18,944 can reach.) The epilogue is acc
 
 Decode rows (M <= 16) take `w8a8_gemv`: the bf16 GEMV's layout (kernels/gemv.py: BLOCK_N columns for all rows
 padded to 16, W streamed once through a `tl.dot` loop, split-K with an arrival counter for narrow matrices) with
-int8 weights, half the bytes, and x quantized inside the kernel: each program first reads its rows of x to find
-their amax (x is small and stays in L2), then quantizes each x block in registers before its dot. Larger M takes
+int8 weights, half the bytes, and x quantized inside the kernel up to `fuse_max_rows` rows: each program first
+reads its rows of x for their amax (kernels/act_scales.py: a few wide loads from L2), then quantizes each x block
+in registers before its dot; with more rows one `quantize_rows` launch first is cheaper than every program
+re-reading x. Larger M takes
 `torch._int_mm` (cuBLAS int8, int32 out; CUDA needs M > 16 and K, N multiples of 8) between `quantize_rows`
 and the one-pass epilogue `dequantize_product_triton` (kernels/int8_torch.py: int_mm_w8a8).
 
 Rounding is round-half-to-even written with floor (`_round_half_even`): libdevice's rint does not run in Triton's
-interpreter, and the floor form is exact for the magnitudes involved. Divisions use `div_rn` (IEEE), so the
-quantized activations match torch's `x / s` bit for bit. References (kernels/int8_torch.py, no Triton):
+interpreter, and the floor form is exact for the magnitudes involved. The scale and its reciprocal are IEEE
+divisions (`div_rn`, once per row) and each value is multiplied by the reciprocal (a division per element would
+cost the GEMV more than its loads), so the quantized activations match torch's `x * (1 / s)` bit for bit.
+References (kernels/int8_torch.py, no Triton):
 `w8a8_reference` (float64 products of the integers: exact, on any device) and `quantize_rows_reference`.
 """
 
@@ -28,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flashvlm.kernels.gemv import split_k_buffers
+from flashvlm.kernels.act_scales import PROLOGUE_UNROLL, prologue_shape, quantize_warps, row_amax
+from flashvlm.kernels.gemv import load_gemv_tiles, split_k_buffers, split_k_gather
 from flashvlm.kernels.int8_torch import check_w8a8_operands
 
 __all__ = ["Int8GemvConfig", "dequantize_product_triton", "int8_gemv_config", "int8_gemv_lock_count",
@@ -36,7 +41,7 @@ __all__ = ["Int8GemvConfig", "dequantize_product_triton", "int8_gemv_config", "i
 
 _ROWS = 16
 _EPILOGUE_M, _EPILOGUE_N = 16, 256
-_QUANT_BLOCK = 1024
+_QUANT_BLOCK = 32768  # a row of up to this many inputs is quantized in one pass
 
 # How x reaches the kernel: float rows quantized per token, float rows with one static scale, or rows already
 # quantized (int8 with their per-row scales, from quantize_rows).
@@ -49,6 +54,8 @@ class Int8GemvConfig(NamedTuple):
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    fuse_max_rows: int = 4
+    """Dynamic quantization inside the GEMV up to this many rows; more rows take quantize_rows first."""
 
 
 @triton.jit
@@ -60,105 +67,98 @@ def _round_half_even(v):
 
 
 @triton.jit
-def _quantize_block(xv, scale):
-    """float32 block / its rows' scales (ROWS, 1) -> int8 in [-127, 127]."""
-    q = _round_half_even(tl.math.div_rn(xv, scale))
+def quantize_int8(xv, inv_scale):
+    """float32 values times their reciprocal scale -> int8 in [-127, 127], rounded half to even."""
+    q = _round_half_even(xv * inv_scale)
     return tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8)
 
 
 @triton.jit
-def _row_scales(x_rows, xs_ptr, row_ok, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, X_MODE: tl.constexpr):
-    """(ROWS,) float32 activation scales; rows whose scale is 0 (all-zero or padding rows) get 1, so their
-    quantized values are 0 and nothing divides by zero."""
-    if X_MODE == 0:
-        amax = tl.zeros((ROWS,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            xv = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(xv.to(tl.float32)), axis=1))
-        scale = tl.math.div_rn(amax, tl.full((ROWS,), 127.0, tl.float32))
-    elif X_MODE == 1:
-        scale = tl.zeros((ROWS,), dtype=tl.float32) + tl.load(xs_ptr).to(tl.float32)
-    else:
-        scale = tl.load(xs_ptr + tl.arange(0, ROWS), mask=row_ok, other=0.0).to(tl.float32)
-    return scale
+def int8_scale(amax):
+    """amax / 127, IEEE division (tensors of one shape: div_rn takes no scalar)."""
+    return tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
 
 
 @triton.jit
+def int8_reciprocal(scale):
+    """1 / scale, the factor the values are multiplied by; 1 where the scale is 0 (an all-zero or padding row,
+    whose values quantize to 0)."""
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), tl.where(scale > 0.0, scale, 1.0))
+
+
+@triton.jit(do_not_specialize=["M"])  # one binary for every batch size: graphs capture many
 def _w8a8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, k_per_split,
                       num_splits, x_stride, w_stride, out_stride,
-                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, X_MODE: tl.constexpr):
+                      ROWS: tl.constexpr, PRO_ROWS: tl.constexpr, PRO_K: tl.constexpr, PRO_UNROLL: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, X_MODE: tl.constexpr, EVEN_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.arange(0, ROWS)
     row_ok = rows < M
+    if X_MODE == 0:
+        x_scale = int8_scale(row_amax(x_ptr, M, K, x_stride, ROWS, PRO_ROWS, PRO_K, PRO_UNROLL))
+    elif X_MODE == 1:
+        x_scale = tl.zeros((ROWS,), dtype=tl.float32) + tl.load(xs_ptr).to(tl.float32)
+    else:
+        x_scale = tl.load(xs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    inv_scale = int8_reciprocal(x_scale)  # unused for x already quantized
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * w_stride
     x_rows = x_ptr + rows[:, None] * x_stride
-    x_scale = _row_scales(x_rows, xs_ptr, row_ok, K, ROWS, BLOCK_K, X_MODE)
-    safe_scale = tl.where(x_scale > 0.0, x_scale, 1.0)[:, None]
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.int32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = (ks < k_end)[None, :]
-        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok, other=0)
-        xv = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok, other=0)
+        w, xv = load_gemv_tiles(w_rows, x_rows, k0 + tl.arange(0, BLOCK_K), k_end, col_ok, row_ok, EVEN_K)
         if X_MODE == 2:
             xq = xv
         else:
-            xq = _quantize_block(xv.to(tl.float32), safe_scale)
+            xq = quantize_int8(xv.to(tl.float32), inv_scale[:, None])
         acc = tl.dot(xq, tl.trans(w), acc, out_dtype=tl.int32)
     out_mask = row_ok[:, None] & col_ok[None, :]
+    outs = out_ptr + rows[:, None] * out_stride + cols[None, :]
     ty = out_ptr.dtype.element_ty
-    w_scale = tl.load(ws_ptr + cols, mask=col_ok, other=0.0)
-    if SPLIT:
-        parts = part_ptr + rows[:, None] * N + cols[None, :]  # workspace (num_splits, ROWS, N), int32
-        tl.store(parts + pid_k * ROWS * N, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is written before the arrival is published
-        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:  # the last program of this column block adds the (exact) partials
-            acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.int32)
-            for s in range(num_splits):
-                acc += tl.load(parts + s * ROWS * N, mask=out_mask, other=0, cache_modifier=".cg")
-            y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
-            if HAS_BIAS:
-                y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], y.to(ty), mask=out_mask)
-            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next call
+    if SPLIT:  # int32 partials: the splits add exactly
+        last, acc = split_k_gather(acc, part_ptr, lock_ptr, pid_n, pid_k, num_splits, rows, cols, out_mask, N,
+                                   ROWS, BLOCK_N)
     else:
-        y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
+        last = True
+    if last:
+        y = acc.to(tl.float32) * x_scale[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
         if HAS_BIAS:
             y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], y.to(ty), mask=out_mask)
+        tl.store(outs, y.to(ty), mask=out_mask)
 
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, xs_ptr, q_ptr, s_ptr, K, x_stride, q_stride, BLOCK: tl.constexpr,
-                          STATIC: tl.constexpr):
+                          STATIC: tl.constexpr, ONE_PASS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     offs = tl.arange(0, BLOCK)
     # The scale is kept as a vector of BLOCK equal values: div_rn takes tensors of one shape.
-    if STATIC:
-        scale = tl.zeros((BLOCK,), dtype=tl.float32) + tl.load(xs_ptr).to(tl.float32)
+    if ONE_PASS:  # the whole row in one load, kept in registers for the rounding
+        xv = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.abs(xv)
     else:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
             ks = k0 + offs
             amax = tl.maximum(amax, tl.abs(tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)))
-        scale = tl.math.div_rn(tl.zeros((BLOCK,), dtype=tl.float32) + tl.max(amax, axis=0),
-                               tl.full((BLOCK,), 127.0, tl.float32))
-    safe = tl.where(scale > 0.0, scale, 1.0)
-    for k0 in range(0, K, BLOCK):
-        ks = k0 + offs
-        xv = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-        q = _round_half_even(tl.math.div_rn(xv, safe))
-        q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8)
-        tl.store(q_ptr + row * q_stride + ks, q, mask=ks < K)
+    if STATIC:
+        scale = tl.zeros((BLOCK,), dtype=tl.float32) + tl.load(xs_ptr).to(tl.float32)
+    else:
+        scale = int8_scale(tl.zeros((BLOCK,), dtype=tl.float32) + tl.max(amax, axis=0))
+    inv = int8_reciprocal(scale)
+    if ONE_PASS:
+        tl.store(q_ptr + row * q_stride + offs, quantize_int8(xv, inv), mask=offs < K)
+    else:
+        for k0 in range(0, K, BLOCK):
+            ks = k0 + offs
+            xv = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+            tl.store(q_ptr + row * q_stride + ks, quantize_int8(xv, inv), mask=ks < K)
     tl.store(s_ptr + row + offs * 0, scale, mask=offs == 0)
 
 
@@ -230,16 +230,21 @@ def w8a8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or int8_gemv_config(n, k)
+    if mode == X_DYNAMIC and m > cfg.fuse_max_rows:
+        out_dtype = out_dtype or x.dtype
+        x, x_scale = quantize_rows(x)
+        mode = X_QUANTIZED
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-    # int32 partials: the split sums add exactly.
     k_per_split, split, part, locks = split_k_buffers(out, k, _ROWS, cfg.block_k, cfg.split_k,
                                                       int8_gemv_lock_count(n, cfg), locks, part_dtype=torch.int32)
+    pro_rows, pro_k = prologue_shape(m, k)
     _w8a8_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, x_scale if x_scale is not None else weight_scale, weight, weight_scale,
         bias if bias is not None else weight_scale, out, part, locks, m, n, k,
         k_per_split, split, x.stride(0), weight.stride(0), out.stride(0),
-        ROWS=_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, HAS_BIAS=bias is not None,
-        X_MODE=mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ROWS=_ROWS, PRO_ROWS=pro_rows, PRO_K=pro_k, PRO_UNROLL=PROLOGUE_UNROLL, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, SPLIT=split > 1, HAS_BIAS=bias is not None, X_MODE=mode,
+        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
@@ -254,7 +259,8 @@ def quantize_rows(x: torch.Tensor, x_scale: torch.Tensor | None = None) -> tuple
     q = torch.empty((m, k), dtype=torch.int8, device=x.device)
     scales = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
+        block = min(_QUANT_BLOCK, triton.next_power_of_2(k))
         _quantize_rows_kernel[(m,)](x, x_scale if x_scale is not None else scales, q, scales, k, x.stride(0),
-                                    q.stride(0), BLOCK=min(_QUANT_BLOCK, triton.next_power_of_2(k)),
-                                    STATIC=x_scale is not None)
+                                    q.stride(0), BLOCK=block, STATIC=x_scale is not None, ONE_PASS=block >= k,
+                                    num_warps=quantize_warps(block))
     return q, scales

@@ -2,7 +2,7 @@
 GEMM (`torch._int_mm`). No Triton here, so CPU processes and `kernel_backend="torch"` never import it.
 
 The numbers (see int8_gemv.py): s_x[m] = amax(|x[m]|) / 127 per token (or one static per-tensor scale),
-x_q = round_half_even(x / s_x) clamped to [-127, 127]; int8 weights with float32 per-output-channel scales;
+x_q = round_half_even(x * (1 / s_x)) clamped to [-127, 127]; int8 weights with float32 per-output-channel scales;
 y = (x_q @ W_q^T) * s_x[m] * s_w[n] (+ bias), the integer product exact.
 """
 
@@ -45,7 +45,7 @@ def quantize_rows_reference(x: torch.Tensor,
     else:
         scale = x_scale.float().reshape(1).expand(xf.shape[0])
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(xf / safe[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    q = torch.round(xf * (1.0 / safe[:, None])).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale.contiguous()
 
 

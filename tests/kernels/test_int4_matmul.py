@@ -150,6 +150,21 @@ def test_single_group_covering_k(device, dtype) -> None:
     _close(w4a16_gemm(x, q, s, z, 100, config=W4Config(16, block_m=16)), _expected(x, q, s, z, 100, None), dtype)
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("group_size,symmetric", [(64, True), (128, False)])
+def test_dequantize_kernel_gives_the_reference_weight(device, dtype, group_size, symmetric) -> None:
+    """The many-row path's weight (dequantized for cuBLAS) is the reference's, element for element; the default
+    GEMM at DEQUANTIZE_MIN_ROWS rows takes that path on CUDA."""
+    n, k = 70, 600  # N past one 64-row block, K ragged in its last 256-input block
+    q, s, z = _weights(device, dtype, n, k, group_size, symmetric, seed=group_size)
+    w = mod.w4a16_dequantize_triton(q, s, z, group_size, k, dtype)
+    assert w.shape == (n, k) and w.dtype == dtype
+    assert torch.equal(w, w4a16_dequantize(q, s, z, group_size, k, dtype))
+    m = mod.DEQUANTIZE_MIN_ROWS
+    x, q, s, z, b = _inputs(device, dtype, m, n, k, group_size, symmetric, bias=True, seed=3)
+    _close(w4a16_gemm(x, q, s, z, group_size, b), _expected(x, q, s, z, group_size, b), dtype)
+
+
 def test_configs_by_shape() -> None:
     assert gemv_config(37888, 3584).split_k == 1  # wide: enough column blocks already
     assert gemv_config(3584, 3584).split_k > 1

@@ -45,7 +45,8 @@ CASES = [
 ]
 # (rows, N, K): K not a multiple of the K block, N not a multiple of the column block.
 SHAPES = [(1, 40, 96), (3, 100, 200), (16, 72, 300)]
-CONFIGS = [None, Int8GemvConfig(32, 64, split_k=3)]
+# The default quantizes x inside the GEMV up to 4 rows and in a launch before it above; the other always inside.
+CONFIGS = [None, Int8GemvConfig(32, 64, split_k=3, fuse_max_rows=16)]
 
 
 def _inputs(device, dtype, rows, n, k, seed):
@@ -66,7 +67,7 @@ def _assert_matches(out, expected, dtype):
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("rows,n,k", SHAPES)
-@pytest.mark.parametrize("config", CONFIGS, ids=["default", "split3"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["default", "split3-fused"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_gemv_matches_reference(device, dtype, rows, n, k, config, static):
     x, w, scale, bias = _inputs(device, dtype, rows, n, k, seed=rows * 1000 + n + k)
@@ -112,6 +113,16 @@ def test_prequantized_rows_and_quantize_kernel(device, dtype):
     q, s = quantize_rows(x, static)
     assert torch.equal(s, torch.full((5,), 0.02, device=device))
     assert (q.int() - quantize_rows_reference(x, static)[0].int()).abs().max() <= (0 if dtype == torch.float32 else 1)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_quantize_rows_longer_than_one_pass(device, dtype):
+    """Rows past 32,768 inputs take the two-pass loop (amax, then rounding) instead of one load."""
+    x, _, _, _ = _inputs(device, dtype, 2, 8, 33000, seed=11)
+    q, s = quantize_rows(x)
+    q_ref, s_ref = quantize_rows_reference(x)
+    assert torch.equal(s, s_ref)
+    assert (q.int() - q_ref.int()).abs().max() <= (0 if dtype == torch.float32 else 1)
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
