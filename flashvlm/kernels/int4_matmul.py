@@ -13,8 +13,8 @@ arrival counter, so the counters (`locks`) are reused by the next call and insid
 column block run next to each other so its weights are read from L2 after the first.
 
 Both compute what `int4_layout.w4a16_reference` computes (the same rounded weights) up to the order of the
-float32 sums. Tile choices are fixed by shape; they are reasoned from the bf16 GEMV's, not yet measured
-(scripts/gpu_int4_matmul.py times them and, with --sweep, the alternatives).
+float32 sums. Tile choices are fixed by shape, from scripts/gpu_int4_matmul.py --sweep on the H200; from
+DEQUANTIZE_MIN_ROWS rows `w4a16_gemm` dequantizes the weight for cuBLAS instead.
 """
 
 from __future__ import annotations
@@ -173,21 +173,20 @@ def _w4_dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, num_groups, w_stri
 
 
 DEQUANTIZE_MIN_ROWS = 128
-"""Rows from which w4a16_gemm dequantizes the weight for cuBLAS rather than running its fused kernel."""
-_SMS = 132
-"""Streaming multiprocessors of the H200 the split choice was sized for (more programs than SMs keep loads in
-flight)."""
+"""Rows from which w4a16_gemm dequantizes the weight for cuBLAS rather than running its fused kernel: faster at
+every Qwen2-7B shape from 128 rows on the H200 (gate/up at 512 rows: 302 us against 605; at 64 rows the fused
+kernel still wins gate/up)."""
 
 
 def gemv_config(n: int, k: int) -> W4Config:
-    """64-column blocks; K split (in powers of two) until there are about four programs per SM, each streaming
-    at least two 256-input blocks (Qwen2-7B: QKV and o_proj split 4 ways, gate/up not at all, down 16)."""
-    col_blocks = triton.cdiv(n, 64)
-    blocks = triton.cdiv(k, BLOCK_K)
-    split = 1
-    while col_blocks * split < 4 * _SMS and blocks // (split * 2) >= 2:
-        split *= 2
-    return W4Config(64, split, _ROWS, 4, 3)
+    """From scripts/gpu_int4_matmul.py --sweep on the H200 (Qwen2-7B's shapes, 1-16 rows, group 128): 2 stages;
+    128-column blocks past 4,096 columns, else 64; K split 4 ways for gate/up, 8 for the other narrow-K
+    matrices, 16 for down (us at 1 row: QKV 12.1, o_proj 10.3, gate/up 52.3, down 34.1: about the bf16 GEMV's
+    times, so the decode product is bound by its dequantization, not its 4-bit loads)."""
+    block_n = 128 if n > 4096 else 64
+    if n >= 16384:
+        return W4Config(block_n, 4, _ROWS, 4, 2)
+    return W4Config(block_n, 16 if k >= 16384 else 8, _ROWS, 4, 2)
 
 
 def gemm_config(m: int, n: int) -> W4Config:

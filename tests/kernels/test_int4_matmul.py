@@ -166,8 +166,7 @@ def test_dequantize_kernel_gives_the_reference_weight(device, dtype, group_size,
 
 
 def test_configs_by_shape() -> None:
-    assert gemv_config(37888, 3584).split_k == 1  # wide: enough column blocks already
-    assert gemv_config(3584, 3584).split_k > 1
+    assert gemv_config(37888, 3584).split_k < gemv_config(3584, 3584).split_k < gemv_config(3584, 18944).split_k
     assert gemm_config(17, 4608).block_m == 64 and gemm_config(2048, 4608).block_m == 128
 
 
