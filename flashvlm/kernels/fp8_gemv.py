@@ -35,7 +35,14 @@ from flashvlm.kernels.fp8_quant import (
     quantize_fp8_per_token_reference,
     quantize_tile,
 )
-from flashvlm.kernels.gemv import gemv_epilogue, gemv_program, gemv_shapes, load_gemv_tiles, split_k_buffers
+from flashvlm.kernels.gemv import (
+    gemv_epilogue,
+    gemv_program,
+    gemv_shapes,
+    load_gemv_tiles,
+    split_k_buffers,
+    with_gemv_tiles,
+)
 
 __all__ = ["Fp8GemvConfig", "fp8_gemv", "fp8_gemv_config", "fp8_gemv_lock_count", "fp8_gemv_reference"]
 
@@ -44,12 +51,10 @@ _FMA_MAX_ROWS = 4
 _DOTS = {"fp8": 0, "f16": 1, "fma": 2}
 
 
+@with_gemv_tiles(num_stages=3)
 class Fp8GemvConfig(NamedTuple):
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
+    """GemvConfig's tiles (3 stages by default), then the FP8 options."""
+
     dot: str = "fp8"
     """"fp8", "f16" or "fma" (see the module docstring)."""
     fuse_max_rows: int = 0

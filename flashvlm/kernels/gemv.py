@@ -18,6 +18,8 @@ input loads ran ~10x slower than cuBLAS plus the separate activation kernel (scr
 
 from __future__ import annotations
 
+from collections import namedtuple
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -36,6 +38,26 @@ class GemvConfig(NamedTuple):
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+
+
+def with_gemv_tiles(num_stages: int = 4) -> Callable[[type], type]:
+    """Decorates a NamedTuple of a GEMV variant's own options (each with a default) into its config type: GemvConfig's
+    tile fields first (`num_stages` defaulting as given), then the options, in one flat NamedTuple of the
+    decorated class's name and docstring. So the tiles stand at the same positions in every GEMV's config, and
+    positional construction, `cfg.block_n`, `cfg._replace(...)` and `Config(*tuple(cfg))` work as for GemvConfig."""
+
+    def build(options: type) -> type:
+        if len(options._field_defaults) != len(options._fields):
+            raise TypeError(f"{options.__name__}: every option needs a default (they follow the tile fields)")
+        defaults = {**GemvConfig._field_defaults, "num_stages": num_stages, **options._field_defaults}
+        config = namedtuple(options.__name__, GemvConfig._fields + options._fields, defaults=tuple(defaults.values()),
+                            module=options.__module__)
+        config.__qualname__ = options.__qualname__
+        config.__doc__ = options.__doc__
+        config.__annotations__ = {**GemvConfig.__annotations__, **options.__annotations__}
+        return config
+
+    return build
 
 
 @triton.jit

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from flashvlm.kernels.act_scales import PROLOGUE_UNROLL, prologue_shape, quantize_warps, row_amax
-from flashvlm.kernels.gemv import gemv_epilogue, gemv_program, load_gemv_tiles, split_k_buffers
+from flashvlm.kernels.gemv import gemv_epilogue, gemv_program, load_gemv_tiles, split_k_buffers, with_gemv_tiles
 from flashvlm.kernels.int8_torch import check_w8a8_operands
 
 __all__ = ["Int8GemvConfig", "dequantize_product_triton", "int8_gemv_config", "int8_gemv_lock_count",
@@ -47,12 +47,10 @@ _QUANT_BLOCK = 32768  # a row of up to this many inputs is quantized in one pass
 X_DYNAMIC, X_STATIC, X_QUANTIZED = 0, 1, 2
 
 
+@with_gemv_tiles(num_stages=4)
 class Int8GemvConfig(NamedTuple):
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 4
+    """GemvConfig's tiles, then the INT8 option."""
+
     fuse_max_rows: int = 0
     """Dynamic quantization inside the GEMV up to this many rows; more rows take quantize_rows first. Measured on
     the H200 (scripts/gpu_int8_gemv.py), quantize_rows first is faster at every row count (QKV at 1 row: 9.4 us
