@@ -18,6 +18,9 @@ from typing import Any
 
 from torch import nn
 
+from flashvlm.layers.linear import Linear, PlainLinear
+from flashvlm.quant.base import QuantizedLinear
+
 # Measured on one H200 (shared/reference: device-to-device copy, 8192^3 bf16 GEMM).
 H200_BANDWIDTH = 4.2e12
 H200_BF16_FLOPS = 790e12
@@ -41,12 +44,11 @@ class ModelCost:
 
 
 def _linear_layers(module: nn.Module | None) -> list[nn.Module]:
-    """Every linear layer under `module`, float (nn.Linear) or quantized (in_features/out_features and its own
-    tensors, in whatever storage dtype)."""
+    """Every linear layer under `module`: the layers/ classes (float) and the quantized layers replacing them
+    (in_features/out_features and their own tensors, in whatever storage dtype)."""
     if module is None:
         return []
-    return [m for m in module.modules()
-            if isinstance(m, nn.Linear) or (hasattr(m, "in_features") and hasattr(m, "out_sizes"))]
+    return [m for m in module.modules() if isinstance(m, (Linear, PlainLinear, QuantizedLinear))]
 
 
 def _matmul_params(layers: list[nn.Module]) -> int:

@@ -35,7 +35,14 @@ from flashvlm.kernels.fp8_quant import (
     quantize_fp8_per_token_reference,
     quantize_tile,
 )
-from flashvlm.kernels.gemv import gemv_shapes, load_gemv_tiles, split_k_buffers, split_k_gather
+from flashvlm.kernels.gemv import (
+    gemv_epilogue,
+    gemv_program,
+    gemv_shapes,
+    load_gemv_tiles,
+    split_k_buffers,
+    with_gemv_tiles,
+)
 
 __all__ = ["Fp8GemvConfig", "fp8_gemv", "fp8_gemv_config", "fp8_gemv_lock_count", "fp8_gemv_reference"]
 
@@ -44,12 +51,10 @@ _FMA_MAX_ROWS = 4
 _DOTS = {"fp8": 0, "f16": 1, "fma": 2}
 
 
+@with_gemv_tiles(num_stages=3)
 class Fp8GemvConfig(NamedTuple):
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
+    """GemvConfig's tiles (3 stages by default), then the FP8 options."""
+
     dot: str = "fp8"
     """"fp8", "f16" or "fma" (see the module docstring)."""
     fuse_max_rows: int = 0
@@ -61,14 +66,6 @@ class Fp8GemvConfig(NamedTuple):
     interpreter, whose conversion rounds wrongly."""
 
 
-@triton.jit
-def _dequantize(acc, x_scale, ws_ptr, b_ptr, cols, col_ok, HAS_BIAS: tl.constexpr):
-    y = acc * x_scale[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    return y
-
-
 @triton.jit(do_not_specialize=["M"])  # one binary for every batch size: graphs capture many
 def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, xs_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, k_per_split,
                      num_splits, x_stride, w_stride, out_stride, eps,
@@ -78,12 +75,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, xs_ptr, out_ptr, part_ptr, loc
                      HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ROUND_BITS: tl.constexpr):
     # X_MODE 0: x bf16/fp16, dynamic scales; 1: x bf16/fp16, one static scale at xs_ptr; 2: x e4m3, its row
     # scales at xs_ptr. DOT: 0 fp8 tl.dot, 1 fp16 tl.dot, 2 float32 multiply-add.
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    rows = tl.arange(0, ROWS)
-    row_ok = rows < M
+    pid_n, pid_k, cols, col_ok, rows, row_ok, w_rows, x_rows, k_start, k_end = gemv_program(
+        x_ptr, w_ptr, M, N, K, k_per_split, x_stride, w_stride, ROWS, BLOCK_N)
     if X_MODE == 0:  # padding rows get eps / 448: their x is zeros, which quantize to zeros
         amax = row_amax(x_ptr, M, K, x_stride, ROWS, PRO_ROWS, PRO_K, PRO_UNROLL)
         x_scale = tl.math.div_rn(tl.maximum(amax, eps), 448.0)
@@ -92,10 +85,6 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, xs_ptr, out_ptr, part_ptr, loc
     else:
         x_scale = tl.load(xs_ptr + rows, mask=row_ok, other=1.0)
     inv_scale = tl.math.div_rn(1.0, x_scale)[:, None]
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * w_stride
-    x_rows = x_ptr + rows[:, None] * x_stride
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         w, q = load_gemv_tiles(w_rows, x_rows, k0 + tl.arange(0, BLOCK_K), k_end, col_ok, row_ok, EVEN_K)
@@ -107,16 +96,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, xs_ptr, out_ptr, part_ptr, loc
             acc = tl.dot(q.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
         else:
             acc += tl.sum(q.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    ty = out_ptr.dtype.element_ty
-    out_mask = row_ok[:, None] & col_ok[None, :]
-    outs = out_ptr + rows[:, None] * out_stride + cols[None, :]
-    if not SPLIT:
-        tl.store(outs, _dequantize(acc, x_scale, ws_ptr, b_ptr, cols, col_ok, HAS_BIAS).to(ty), mask=out_mask)
-    else:
-        last, total = split_k_gather(acc, part_ptr, lock_ptr, pid_n, pid_k, num_splits, rows, cols, out_mask, N,
-                                     ROWS, BLOCK_N)
-        if last:
-            tl.store(outs, _dequantize(total, x_scale, ws_ptr, b_ptr, cols, col_ok, HAS_BIAS).to(ty), mask=out_mask)
+    gemv_epilogue(acc, x_scale, ws_ptr, b_ptr, out_ptr, out_stride, part_ptr, lock_ptr, num_splits, pid_n, pid_k,
+                  rows, row_ok, cols, col_ok, N, ROWS, BLOCK_N, SPLIT, True, HAS_BIAS)
 
 
 def fp8_gemv_config(n: int, k: int) -> Fp8GemvConfig:

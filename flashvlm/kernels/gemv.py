@@ -18,6 +18,8 @@ input loads ran ~10x slower than cuBLAS plus the separate activation kernel (scr
 
 from __future__ import annotations
 
+from collections import namedtuple
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -36,6 +38,26 @@ class GemvConfig(NamedTuple):
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+
+
+def with_gemv_tiles(num_stages: int = 4) -> Callable[[type], type]:
+    """Decorates a NamedTuple of a GEMV variant's own options (each with a default) into its config type: GemvConfig's
+    tile fields first (`num_stages` defaulting as given), then the options, in one flat NamedTuple of the
+    decorated class's name and docstring. So the tiles stand at the same positions in every GEMV's config, and
+    positional construction, `cfg.block_n`, `cfg._replace(...)` and `Config(*tuple(cfg))` work as for GemvConfig."""
+
+    def build(options: type) -> type:
+        if len(options._field_defaults) != len(options._fields):
+            raise TypeError(f"{options.__name__}: every option needs a default (they follow the tile fields)")
+        defaults = {**GemvConfig._field_defaults, "num_stages": num_stages, **options._field_defaults}
+        config = namedtuple(options.__name__, GemvConfig._fields + options._fields, defaults=tuple(defaults.values()),
+                            module=options.__module__)
+        config.__qualname__ = options.__qualname__
+        config.__doc__ = options.__doc__
+        config.__annotations__ = {**GemvConfig.__annotations__, **options.__annotations__}
+        return config
+
+    return build
 
 
 @triton.jit
@@ -71,10 +93,11 @@ def split_k_gather(acc, part_ptr, lock_ptr, pid_n, pid_k, num_splits, rows, cols
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, k_per_split, num_splits,
-                 x_stride, w_stride, out_stride,
-                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+def gemv_program(x_ptr, w_ptr, M, N, K, k_per_split, x_stride, w_stride, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's share of a skinny product, as (pid_n, pid_k, cols, col_ok, rows, row_ok, w_rows, x_rows,
+    k_start, k_end): column block pid_n (BLOCK_N columns, those < N valid) for all ROWS rows (those < M valid),
+    w_rows and x_rows the weight and x rows' first inputs, and split pid_k's inputs k_start..k_end (< K). K and
+    k_per_split may count blocks of inputs instead: the range is then in blocks."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,25 +106,48 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, k_pe
     row_ok = rows < M
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * w_stride
     x_rows = x_ptr + rows[:, None] * x_stride
-    ty = out_ptr.dtype.element_ty
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
+    return pid_n, pid_k, cols, col_ok, rows, row_ok, w_rows, x_rows, k_start, k_end
+
+
+@triton.jit
+def gemv_epilogue(acc, x_scale, ws_ptr, b_ptr, out_ptr, out_stride, part_ptr, lock_ptr, num_splits, pid_n, pid_k,
+                  rows, row_ok, cols, col_ok, N, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                  SCALED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Writes the program's output tile: its sums `acc` or, with SPLIT, every split's (added by the program that
+    arrives last; split_k_gather). In float32: with SCALED, times x_scale[row] * w_scale[col] (the quantized
+    products' scales; x_scale and ws_ptr are not read without it), plus the bias with HAS_BIAS, then rounded to
+    the output's dtype."""
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT:
+        last, acc = split_k_gather(acc, part_ptr, lock_ptr, pid_n, pid_k, num_splits, rows, cols, out_mask, N,
+                                   ROWS, BLOCK_N)
+    else:
+        last = True
+    if last:
+        y = acc.to(tl.float32)
+        if SCALED:
+            y = y * x_scale[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, k_per_split, num_splits,
+                 x_stride, w_stride, out_stride,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_n, pid_k, cols, col_ok, rows, row_ok, w_rows, x_rows, k_start, k_end = gemv_program(
+        x_ptr, w_ptr, M, N, K, k_per_split, x_stride, w_stride, ROWS, BLOCK_N)
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         w, x = load_gemv_tiles(w_rows, x_rows, k0 + tl.arange(0, BLOCK_K), k_end, col_ok, row_ok, EVEN_K)
         acc = tl.dot(x, tl.trans(w), acc)
-    out_mask = row_ok[:, None] & col_ok[None, :]
-    if not SPLIT:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], acc.to(ty), mask=out_mask)
-    else:
-        last, total = split_k_gather(acc, part_ptr, lock_ptr, pid_n, pid_k, num_splits, rows, cols, out_mask, N,
-                                     ROWS, BLOCK_N)
-        if last:
-            if HAS_BIAS:
-                total += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], total.to(ty), mask=out_mask)
+    # Not scaled: acc and b_ptr stand in for the scales, unread.
+    gemv_epilogue(acc, acc, b_ptr, b_ptr, out_ptr, out_stride, part_ptr, lock_ptr, num_splits, pid_n, pid_k,
+                  rows, row_ok, cols, col_ok, N, ROWS, BLOCK_N, SPLIT, False, HAS_BIAS)
 
 
 def gemv_config(n: int, k: int) -> GemvConfig:

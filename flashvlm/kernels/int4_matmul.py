@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from flashvlm.kernels.gemv import split_k_buffers, split_k_gather
+from flashvlm.kernels.gemv import gemv_epilogue, gemv_program, split_k_buffers
 from flashvlm.kernels.int4_layout import BLOCK_K, PLANE, SYMMETRIC_ZERO, padded_k
 
 __all__ = ["DEQUANTIZE_MIN_ROWS", "W4Config", "gemm_config", "gemv_config", "gemv_lock_count",
@@ -70,55 +70,53 @@ def _group_params(s_ptr, z_ptr, k, cols, col_ok, N, num_groups,
     return scale, zero
 
 
+@triton.jit
+def _block_product(acc, w_tile, x_tile, blk, j, row_ok, cols, col_ok, s_ptr, z_ptr, N, K, num_groups,
+                   dtype: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, ZERO: tl.constexpr,
+                   EVEN_K: tl.constexpr, SWAP: tl.constexpr):
+    """acc plus the product of weight block blk (inputs blk * 256 ..., one (BLOCK_N, 32) word tile at w_tile) with
+    x's rows at x_tile: one dot per nibble plane, its weights dequantized to `dtype`. acc is (rows, BLOCK_N), or
+    its transpose with SWAP (the weights the dots' first operand)."""
+    words = tl.load(w_tile + blk * 32, mask=col_ok[:, None], other=0)
+    for i in tl.static_range(8):
+        k = blk * 256 + i * 32
+        scale, zero = _group_params(s_ptr, z_ptr, k, cols, col_ok, N, num_groups, GROUP, HAS_ZERO, ZERO)
+        w = _plane(words, i, scale, zero, dtype)
+        if EVEN_K:
+            x = tl.load(x_tile + k, mask=row_ok[:, None], other=0.0)
+        else:
+            x = tl.load(x_tile + k, mask=row_ok[:, None] & (k + j < K)[None, :], other=0.0)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])  # one binary for every batch size: graphs capture many
 def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, lock_ptr,
                        M, N, K, num_groups, blocks_per_split, num_splits, x_stride, w_stride, out_stride,
                        GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ZERO: tl.constexpr,
                        ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                        SWAP: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    rows = tl.arange(0, ROWS)
-    row_ok = rows < M
+    # The split's range counts weight blocks of 256 inputs.
+    pid_n, pid_k, cols, col_ok, rows, row_ok, w_rows, x_rows, first, end = gemv_program(
+        x_ptr, w_ptr, M, N, tl.cdiv(K, 256), blocks_per_split, x_stride, w_stride, ROWS, BLOCK_N)
     j = tl.arange(0, 32)
-    w_tile = w_ptr + cols.to(tl.int64)[:, None] * w_stride + j[None, :]
-    x_tile = x_ptr + rows[:, None] * x_stride + j[None, :]
-    ty = out_ptr.dtype.element_ty
-    first = pid_k * blocks_per_split
-    last = tl.minimum(tl.cdiv(K, 256), first + blocks_per_split)
+    w_tile = w_rows + j[None, :]
+    x_tile = x_rows + j[None, :]
     if SWAP:
-        acc_t = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
     else:
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for blk in range(first, last):
-        words = tl.load(w_tile + blk * 32, mask=col_ok[:, None], other=0)
-        for i in tl.static_range(8):
-            k = blk * 256 + i * 32
-            scale, zero = _group_params(s_ptr, z_ptr, k, cols, col_ok, N, num_groups, GROUP, HAS_ZERO, ZERO)
-            w = _plane(words, i, scale, zero, ty)
-            if EVEN_K:
-                x = tl.load(x_tile + k, mask=row_ok[:, None], other=0.0)
-            else:
-                x = tl.load(x_tile + k, mask=row_ok[:, None] & (k + j < K)[None, :], other=0.0)
-            if SWAP:
-                acc_t = tl.dot(w, tl.trans(x), acc_t)
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
+    for blk in range(first, end):
+        acc = _block_product(acc, w_tile, x_tile, blk, j, row_ok, cols, col_ok, s_ptr, z_ptr, N, K, num_groups,
+                             out_ptr.dtype.element_ty, GROUP, HAS_ZERO, ZERO, EVEN_K, SWAP)
     if SWAP:
-        acc = tl.trans(acc_t)
-    out_ptrs = out_ptr + rows[:, None] * out_stride + cols[None, :]
-    out_mask = row_ok[:, None] & col_ok[None, :]
-    if SPLIT:
-        last, acc = split_k_gather(acc, part_ptr, lock_ptr, pid_n, pid_k, num_splits, rows, cols, out_mask, N,
-                                   ROWS, BLOCK_N)
-    else:
-        last = True
-    if last:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptrs, acc.to(ty), mask=out_mask)
+        acc = tl.trans(acc)
+    # Not scaled: acc and b_ptr stand in for the scales, unread.
+    gemv_epilogue(acc, acc, b_ptr, b_ptr, out_ptr, out_stride, part_ptr, lock_ptr, num_splits, pid_n, pid_k,
+                  rows, row_ok, cols, col_ok, N, ROWS, BLOCK_N, SPLIT, False, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every batch size: graphs capture many
@@ -138,16 +136,8 @@ def _w4a16_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, num_
     ty = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for blk in range(0, tl.cdiv(K, 256)):
-        words = tl.load(w_tile + blk * 32, mask=col_ok[:, None], other=0)
-        for i in tl.static_range(8):
-            k = blk * 256 + i * 32
-            scale, zero = _group_params(s_ptr, z_ptr, k, cols, col_ok, N, num_groups, GROUP, HAS_ZERO, ZERO)
-            w = _plane(words, i, scale, zero, ty)
-            if EVEN_K:
-                x = tl.load(x_tile + k, mask=row_ok[:, None], other=0.0)
-            else:
-                x = tl.load(x_tile + k, mask=row_ok[:, None] & (k + j < K)[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
+        acc = _block_product(acc, w_tile, x_tile, blk, j, row_ok, cols, col_ok, s_ptr, z_ptr, N, K, num_groups,
+                             ty, GROUP, HAS_ZERO, ZERO, EVEN_K, False)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from flashvlm.kernels.act_scales import PROLOGUE_UNROLL, prologue_shape, quantize_warps, row_amax
-from flashvlm.kernels.gemv import load_gemv_tiles, split_k_buffers, split_k_gather
+from flashvlm.kernels.gemv import gemv_epilogue, gemv_program, load_gemv_tiles, split_k_buffers, with_gemv_tiles
 from flashvlm.kernels.int8_torch import check_w8a8_operands
 
 __all__ = ["Int8GemvConfig", "dequantize_product_triton", "int8_gemv_config", "int8_gemv_lock_count",
@@ -47,12 +47,10 @@ _QUANT_BLOCK = 32768  # a row of up to this many inputs is quantized in one pass
 X_DYNAMIC, X_STATIC, X_QUANTIZED = 0, 1, 2
 
 
+@with_gemv_tiles(num_stages=4)
 class Int8GemvConfig(NamedTuple):
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 4
+    """GemvConfig's tiles, then the INT8 option."""
+
     fuse_max_rows: int = 0
     """Dynamic quantization inside the GEMV up to this many rows; more rows take quantize_rows first. Measured on
     the H200 (scripts/gpu_int8_gemv.py), quantize_rows first is faster at every row count (QKV at 1 row: 9.4 us
@@ -93,12 +91,8 @@ def _w8a8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, lo
                       ROWS: tl.constexpr, PRO_ROWS: tl.constexpr, PRO_K: tl.constexpr, PRO_UNROLL: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                       HAS_BIAS: tl.constexpr, X_MODE: tl.constexpr, EVEN_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    rows = tl.arange(0, ROWS)
-    row_ok = rows < M
+    pid_n, pid_k, cols, col_ok, rows, row_ok, w_rows, x_rows, k_start, k_end = gemv_program(
+        x_ptr, w_ptr, M, N, K, k_per_split, x_stride, w_stride, ROWS, BLOCK_N)
     if X_MODE == 0:
         x_scale = int8_scale(row_amax(x_ptr, M, K, x_stride, ROWS, PRO_ROWS, PRO_K, PRO_UNROLL))
     elif X_MODE == 1:
@@ -106,10 +100,6 @@ def _w8a8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, lo
     else:
         x_scale = tl.load(xs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     inv_scale = int8_reciprocal(x_scale)  # unused for x already quantized
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * w_stride
-    x_rows = x_ptr + rows[:, None] * x_stride
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.int32)
     for k0 in range(k_start, k_end, BLOCK_K):
         w, xv = load_gemv_tiles(w_rows, x_rows, k0 + tl.arange(0, BLOCK_K), k_end, col_ok, row_ok, EVEN_K)
@@ -118,19 +108,9 @@ def _w8a8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, lo
         else:
             xq = quantize_int8(xv.to(tl.float32), inv_scale[:, None])
         acc = tl.dot(xq, tl.trans(w), acc, out_dtype=tl.int32)
-    out_mask = row_ok[:, None] & col_ok[None, :]
-    outs = out_ptr + rows[:, None] * out_stride + cols[None, :]
-    ty = out_ptr.dtype.element_ty
-    if SPLIT:  # int32 partials: the splits add exactly
-        last, acc = split_k_gather(acc, part_ptr, lock_ptr, pid_n, pid_k, num_splits, rows, cols, out_mask, N,
-                                   ROWS, BLOCK_N)
-    else:
-        last = True
-    if last:
-        y = acc.to(tl.float32) * x_scale[:, None] * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
-        if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(outs, y.to(ty), mask=out_mask)
+    # int32 partials: the splits add exactly
+    gemv_epilogue(acc, x_scale, ws_ptr, b_ptr, out_ptr, out_stride, part_ptr, lock_ptr, num_splits, pid_n, pid_k,
+                  rows, row_ok, cols, col_ok, N, ROWS, BLOCK_N, SPLIT, True, HAS_BIAS)
 
 
 @triton.jit

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from flashvlm.kernels.paged_args import check_kv_scales, gqa_group, last_dim_contiguous, read_context
+from flashvlm.kernels.paged_tiles import load_kv_tile, softmax_start
 
 _LOG2E = 1.4426950408889634
 
@@ -62,11 +63,7 @@ def _decode_split_kernel(
 
     q = tl.load(q_ptr + seq64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-    if KV_FP8:
-        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    scale_log2, m_i, l_i, acc = softmax_start(scale_log2, k_scale_ptr, BLOCK_H, BLOCK_D, KV_FP8)
     table = block_tables_ptr + seq64 * stride_bt
     head_off = kvh.to(tl.int64) * stride_kh
 
@@ -78,18 +75,14 @@ def _decode_split_kernel(
         kv_off = page * stride_kb + (pos % PAGE) * stride_kt + head_off
         kv_ptrs = kv_off[:, None] + offs_d[None, :]
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        if KV_FP8:
-            k = k.to(q.dtype)
+        k = load_kv_tile(k_ptr + kv_ptrs, kv_mask, q.dtype, True, KV_FP8)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        if KV_FP8:
-            v = v.to(q.dtype)
+        v = load_kv_tile(v_ptr + kv_ptrs, kv_mask, q.dtype, True, KV_FP8)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 

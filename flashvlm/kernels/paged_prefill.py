@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from flashvlm.kernels.paged_args import check_kv_scales, gqa_group, last_dim_contiguous, read_context
+from flashvlm.kernels.paged_tiles import load_kv_tile, softmax_start
 
 _LOG2E = 1.4426950408889634
 
@@ -40,12 +41,7 @@ def _attend_keys(q, m_i, l_i, acc, k_ptr, v_ptr, table, head_off, pos, kv_end, q
         page = tl.load(table + pos // PAGE).to(tl.int64)
     kv_ptrs = (page * stride_kb + (pos % PAGE) * stride_kt + head_off)[:, None] + offs_d[None, :]
     kv_mask = valid[:, None] & d_mask[None, :]
-    if CAUSAL or not EVEN_D:
-        k = tl.load(k_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-    else:
-        k = tl.load(k_ptr + kv_ptrs)
-    if KV_FP8:
-        k = k.to(q.dtype)
+    k = load_kv_tile(k_ptr + kv_ptrs, kv_mask, q.dtype, CAUSAL or not EVEN_D, KV_FP8)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if CAUSAL:
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -54,12 +50,7 @@ def _attend_keys(q, m_i, l_i, acc, k_ptr, v_ptr, table, head_off, pos, kv_end, q
     p = tl.exp2(s * scale_log2 - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if CAUSAL or not EVEN_D:
-        v = tl.load(v_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-    else:
-        v = tl.load(v_ptr + kv_ptrs)
-    if KV_FP8:
-        v = v.to(q.dtype)
+    v = load_kv_tile(v_ptr + kv_ptrs, kv_mask, q.dtype, CAUSAL or not EVEN_D, KV_FP8)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
     return m_new, l_i, acc
 
@@ -106,11 +97,7 @@ def _prefill_kernel(
 
         q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=row_valid[:, None] & d_mask[None, :], other=0.0)
-        if KV_FP8:
-            scale_log2 = scale_log2 * tl.load(k_scale_ptr)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        scale_log2, m_i, l_i, acc = softmax_start(scale_log2, k_scale_ptr, BLOCK_M, BLOCK_D, KV_FP8)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         head_off = kvh.to(tl.int64) * stride_kh
         # Keys past the tile's last query are invisible to all of its rows; keys up to its first query's position

@@ -7,6 +7,7 @@ kernel runs in bfloat16 and float16 against a float32 product of the same (round
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from flashvlm.kernels.gemv import (  # noqa: E402
     gemv_lock_count,
     gemv_reference,
     gemv_triton,
+    with_gemv_tiles,
 )
 from flashvlm.layers.activation import silu_and_mul_reference  # noqa: E402
 from flashvlm.layers.linear import (  # noqa: E402
@@ -197,3 +199,22 @@ def test_tied_head_and_engine_switch(monkeypatch, tmp_path):
     logits = model.compute_logits(hidden)
     assert calls == [model.language_model.embed_tokens.weight.shape]
     torch.testing.assert_close(logits, hidden @ model.language_model.embed_tokens.weight.t())
+
+
+def test_variant_configs_put_the_tile_fields_first() -> None:
+    from flashvlm.kernels.fp8_gemv import Fp8GemvConfig
+    from flashvlm.kernels.int8_gemv import Int8GemvConfig
+
+    assert Fp8GemvConfig._fields == GemvConfig._fields + ("dot", "fuse_max_rows", "round_bits")
+    assert tuple(Fp8GemvConfig(32, 64)) == (32, 64, 1, 4, 3, "fp8", 0, None)
+    assert Fp8GemvConfig(16, 32, 2, 8, 2, "f16")._replace(round_bits=True).round_bits is True
+    assert tuple(Int8GemvConfig(64, 256, 2)) == (64, 256, 2, 4, 4, 0)
+    cfg = Int8GemvConfig(16, 32, fuse_max_rows=16)
+    assert Int8GemvConfig(*list(cfg)) == cfg and cfg.block_k == 32
+    assert repr(cfg) == "Int8GemvConfig(block_n=16, block_k=32, split_k=1, num_warps=4, num_stages=4, fuse_max_rows=16)"
+
+    class NoDefault(NamedTuple):
+        mode: int
+
+    with pytest.raises(TypeError, match="NoDefault: every option needs a default"):
+        with_gemv_tiles()(NoDefault)
