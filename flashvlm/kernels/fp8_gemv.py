@@ -6,10 +6,11 @@ all rows and streams its slice of W once, K split over several programs when the
 same arrival counters, `locks`, reset by the last program of each column block: one launch, deterministic, and
 reusable inside CUDA graphs).
 
-Activation quantization is fused: with a dynamic scale every program first reads its rows of x whole (from L2:
-x is 7-37 KB a row against megabytes of weights) for their amax, then quantizes each x tile in registers before
-its product. That re-read grows with the rows, so above `fuse_max_rows` rows x is quantized by one small launch
-first (`quantize_fp8_per_token`) and the GEMV reads e4m3 x. A static input scale needs no amax: always fused.
+With a dynamic scale, x is quantized by one small launch first (`quantize_fp8_per_token`) and the GEMV reads
+e4m3 x. The GEMV can quantize x itself up to `fuse_max_rows` rows: every program then first reads its rows of x
+whole (kernels/act_scales.py) for their amax and quantizes each x tile in registers before its product; on the
+H200 that measured slower at every row count, so the default never fuses. A static input scale needs no amax: x
+is always quantized inside the GEMV then.
 
 The product of a tile, `dot`: "fp8" is tl.dot on the e4m3 tiles (rows padded to 16, the tensor cores' smallest
 M); "f16" widens both e4m3 tiles to fp16 (exact) for a fp16 tl.dot; "fma" is a float32 multiply-add reduction
