@@ -41,8 +41,9 @@ class DemoVariant:
 # The embedded model's flag defaults (its shipped recipe is the two-stage one of docs/demo.md).
 DEMO_VARIANT = DemoVariant("demo", DEMO, vision_depth=4, text_layers=4, recipe=Recipe(3000, 64, 3e-4))
 
-# demo-large: 6.8M parameters (13.6 MB in bf16, at most 15 MB): the shipped model's tower, which reads the same
-# 12x22-px print, and two more language-model layers for finding and counting among 256 image tokens.
+# demo-large: 6.8M parameters (13.6 MB in bf16, at most 15 MB): a vision tower shaped like the shipped model's
+# (which reads the same 12x22-px print) and two more language-model layers, for finding and counting among 256
+# image tokens. Trained from scratch: the recipe's 15 minutes are the whole cost.
 # Step budget, from the shipped model's solo-H200 numbers (training.json, docs/demo.md): 0.091-0.097 s a step
 # at batch 256 for 0.69 TFLOP of model work (2.7 GFLOP a scene, forward and backward), 7 TFLOP/s: that step
 # is fixed cost (kernel launches, the loader), not arithmetic. A demo-large scene is 30.5 GFLOP (11x: 7x the
