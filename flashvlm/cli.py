@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="scenes split (default: test)")
     ev.add_argument("--num-examples", type=int, default=None,
                     help="scenes examples, question types cycling evenly (default: 200)")
+    from flashvlm.demo.scenes import PROFILES
+
+    ev.add_argument("--scenes", default=None, choices=sorted(PROFILES),
+                    help="which generated scenes (default: those the model was trained on, from its training.json; "
+                         "demo for other models)")
     ev.add_argument("--dataset", default=None, metavar="FILE.jsonl",
                     help="evaluate this JSONL file of labelled images instead of the scenes (format below)")
     ev.add_argument("--limit", type=int, default=None, metavar="N",
@@ -105,7 +110,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _eval_scenes(args: argparse.Namespace) -> dict | int:
-    from flashvlm.demo.evaluate import evaluate
+    from flashvlm.demo.evaluate import evaluate, trained_scenes
+    from flashvlm.demo.scenes import scene_profile
     from flashvlm.llm import LLM
 
     for flag, value in (("--limit", args.limit), ("--max-tokens", args.max_tokens)):
@@ -115,8 +121,10 @@ def _eval_scenes(args: argparse.Namespace) -> dict | int:
     num_examples = 200 if args.num_examples is None else args.num_examples
     if num_examples < 1:
         raise ValueError("--num-examples must be >= 1")
-    llm = LLM.from_config(engine_config_from_args(args))
-    return evaluate(llm, args.split or "test", num_examples, args.batch_size)
+    config = engine_config_from_args(args)
+    scenes = trained_scenes(config.model.model) if args.scenes is None else scene_profile(args.scenes)
+    llm = LLM.from_config(config)
+    return evaluate(llm, args.split or "test", num_examples, args.batch_size, scenes=scenes)
 
 
 def _eval_dataset(args: argparse.Namespace) -> dict | int:
@@ -127,6 +135,8 @@ def _eval_dataset(args: argparse.Namespace) -> dict | int:
     try:
         if args.split is not None or args.num_examples is not None:
             raise DatasetError("--split and --num-examples choose scenes; with --dataset use --limit")
+        if args.scenes is not None:
+            raise DatasetError("--scenes chooses generated scenes; --dataset evaluates the file's own images")
         for flag, value in (("--max-tokens", args.max_tokens), ("--batch-size", args.batch_size)):
             if value is not None and value < 1:
                 raise DatasetError(f"{flag} must be >= 1, got {value}")

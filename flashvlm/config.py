@@ -63,7 +63,8 @@ def _device(name: str, value: Any) -> str | None:
 @dataclass
 class ModelConfig:
     model: str = option(help="path to a local Hugging Face checkpoint folder (Qwen2-VL, Qwen2.5-VL, LLaVA-1.5 in "
-                             "llava-hf form)", shown_default="the embedded demo model (docs/demo.md)")
+                             "llava-hf form), or a demo model's name: demo, demo-large (docs/demo.md)",
+                        shown_default="the embedded demo model (docs/demo.md)")
     dtype: str = option("auto", choices=("auto", "float32", "float16", "bfloat16"),
                         help="weights and activations dtype; auto = the checkpoint's dtype on GPU, float32 on CPU "
                              "(CPU half precision is slow and imprecise)")
@@ -171,12 +172,12 @@ class EngineConfig:
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> EngineConfig:
         """The config of `LLM(model, **options)`: each keyword is an option's name (docs/engine.md); an unknown
-        one is an UnknownOptionError naming the closest. model=None: the embedded demo model. Not validated yet
-        (Engine validates it)."""
-        if model is None:
-            from flashvlm.models.default import default_model_path
+        one is an UnknownOptionError naming the closest. model=None (or "demo"): the embedded demo model;
+        "demo-large": its large sibling (flashvlm.models.default.resolve_model). Not validated yet (Engine
+        validates it)."""
+        from flashvlm.models.default import resolve_model
 
-            model = str(default_model_path())
+        model = resolve_model(model)
         known = {opt.name: opt for opt in engine_options()}
         for name in options:
             if name not in known:

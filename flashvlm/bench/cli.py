@@ -134,11 +134,9 @@ def _model_path(args: argparse.Namespace) -> str:
 
         args.load_format = "dummy"
         return str(write_benchmark_model(args.benchmark_model, tempfile.mkdtemp(prefix="flashvlm-bench-")))
-    if args.model is None:
-        from flashvlm.models.default import default_model_path
+    from flashvlm.models.default import resolve_model
 
-        return str(default_model_path())
-    return args.model
+    return resolve_model(args.model)
 
 
 def _progress(args: argparse.Namespace, total: int, desc: str):

@@ -6,10 +6,12 @@ pruning, FP8/INT8) report their accuracy cost next to their speed.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
-from flashvlm.demo.scenes import QUESTION_TYPES, make_split
+from flashvlm.demo.scenes import DEMO, QUESTION_TYPES, SceneProfile, make_split, scene_profile
 from flashvlm.request import SamplingParams
 
 
@@ -18,10 +20,20 @@ def normalize(text: str) -> str:
     return " ".join(text.strip().strip(".").split()).lower()
 
 
+def trained_scenes(model_dir: str | Path) -> SceneProfile:
+    """The scenes a demo checkpoint was trained on (its training.json's "scenes"); DEMO's for any other folder,
+    the embedded model's (trained before the key existed) included."""
+    recipe = Path(model_dir) / "training.json"
+    if not recipe.is_file():
+        return DEMO
+    name = json.loads(recipe.read_text()).get("scenes")
+    return DEMO if name is None else scene_profile(name)
+
+
 def evaluate(llm: Any, split: str = "test", num_examples: int = 200, batch_size: int = 64,
-             progress: bool = False) -> dict[str, Any]:
+             progress: bool = False, scenes: SceneProfile = DEMO) -> dict[str, Any]:
     """Greedy answers through `llm.chat`, compared with the generator's answers after trimming and lowering."""
-    examples = make_split(split, num_examples)
+    examples = make_split(split, num_examples, profile=scenes)
     params = SamplingParams(temperature=0.0, max_tokens=8)
     correct: dict[str, int] = defaultdict(int)
     total: dict[str, int] = defaultdict(int)
@@ -39,8 +51,8 @@ def evaluate(llm: Any, split: str = "test", num_examples: int = 200, batch_size:
     per_type = {t: {"correct": correct[t], "total": total[t], "accuracy": correct[t] / total[t]}
                 for t in QUESTION_TYPES if total[t]}
     n = sum(total.values())
-    return {"split": split, "num_examples": n, "accuracy": sum(correct.values()) / n if n else 0.0,
-            "per_type": per_type, "sample_mistakes": mistakes}
+    return {"split": split, "scenes": scenes.name, "num_examples": n,
+            "accuracy": sum(correct.values()) / n if n else 0.0, "per_type": per_type, "sample_mistakes": mistakes}
 
 
 def format_report(result: dict[str, Any]) -> str:

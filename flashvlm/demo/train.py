@@ -2,6 +2,7 @@
 
     python -m flashvlm.demo.train --out DIR --steps N --batch-size 128 --device cuda
     python -m flashvlm.demo.train --out DIR --time-budget-s 450 --batch-size 128   # N from a timed probe
+    python -m flashvlm.demo.train --variant demo-large --out flashvlm/demo/checkpoint-large   # its own recipe
 
 Seeded end to end (tokenizer, initial weights, data order), so the same command (with the step count a budgeted
 run recorded in training.json) gives the same checkpoint on the same hardware. The result is a normal Hugging
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from flashvlm.demo.scenes import IMAGE_SIZE, QUESTION_TYPES, answer_vocabulary, make_example, make_split
+from flashvlm.demo.scenes import DEMO, QUESTION_TYPES, SceneProfile, answer_vocabulary, make_example, make_split
+from flashvlm.demo.variants import DEMO_VARIANT, VARIANTS, DemoVariant, demo_variant
 from flashvlm.models.qwen2_vl import mrope_positions
 from flashvlm.processing.qwen_image import QwenImageProcessor
 from flashvlm.testing.tiny_checkpoints import (
@@ -30,28 +32,30 @@ from flashvlm.testing.tiny_checkpoints import (
 )
 
 PREFETCH = 2  # batches each loader worker keeps ready
-PIXELS = IMAGE_SIZE * IMAGE_SIZE  # min = max pixels: every scene keeps its 168x168 size (12x12 patches)
 
 
 def demo_tokenizer():
+    # Every profile asks the same questions with the same answers: one tokenizer serves every variant.
     questions = [make_example(0, i).question for i in range(400)]
     corpus = questions + answer_vocabulary() + ["system", "user", "assistant", "You are a helpful assistant."]
     return build_tokenizer(QWEN_SPECIAL_TOKENS, 600, QWEN_CHAT_TEMPLATE, eos="<|im_end|>", bos=None,
                            pad="<|endoftext|>", corpus=corpus)
 
 
-def demo_config(tokenizer):
+def demo_config(tokenizer, variant: DemoVariant = DEMO_VARIANT):
     from transformers import Qwen2VLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     # rope_theta 10, not Qwen's 1e6: M-RoPE gives the width axis the lowest frequencies, and at a large theta
     # the 6 columns of a scene's token grid would rotate by under 0.02 rad, leaving the language model blind
-    # to left / right (position questions stayed at chance). At 10 they span 0.5-1.2 rad; prompts are short.
-    text = dict(vocab_size=640, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+    # to left / right (position questions stayed at chance). At 10 they span 0.5-1.2 rad (demo-large's 16
+    # columns: 1.6-3.6 rad, still short of a turn); prompts are short.
+    text = dict(vocab_size=640, hidden_size=256, intermediate_size=704, num_hidden_layers=variant.text_layers,
+                num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
                 rope_parameters={"rope_type": "default", "rope_theta": 10.0, "mrope_section": [8, 12, 12]},
                 bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], tie_word_embeddings=True)
-    vision = dict(depth=4, embed_dim=192, hidden_size=256, num_heads=4, mlp_ratio=2, patch_size=14,
+    vision = dict(depth=variant.vision_depth, embed_dim=192, hidden_size=256, num_heads=4, mlp_ratio=2, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2)
     return Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                          video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
@@ -61,11 +65,13 @@ def demo_config(tokenizer):
 class Batcher:
     """Chat-formatted examples -> padded model inputs; loss only on the answer and its end-of-turn token."""
 
-    def __init__(self, tokenizer, image_token_id: int) -> None:
+    def __init__(self, tokenizer, image_token_id: int, scenes: SceneProfile = DEMO) -> None:
         self.tok = tokenizer
         self.image_token_id = image_token_id
-        self.proc = QwenImageProcessor.from_config(qwen_preprocessor_config(PIXELS, PIXELS))
-        grid = self.proc.grid_thw(IMAGE_SIZE, IMAGE_SIZE)
+        self.scenes = scenes
+        pixels = scenes.image_size * scenes.image_size
+        self.proc = QwenImageProcessor.from_config(qwen_preprocessor_config(pixels, pixels))
+        grid = self.proc.grid_thw(scenes.image_size, scenes.image_size)
         self.num_image_tokens = self.proc.num_image_tokens(grid)
         self.patches_per_image = grid[0] * grid[1] * grid[2]
         merge = self.proc.merge_size
@@ -140,7 +146,8 @@ class StepBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, step: int) -> dict:
         start = step * self.batch_size
-        return self.batcher([make_example(self.seed, start + i) for i in range(self.batch_size)], "cpu",
+        scenes = self.batcher.scenes
+        return self.batcher([make_example(self.seed, start + i, scenes) for i in range(self.batch_size)], "cpu",
                             raw_pixels=True)
 
 
@@ -184,12 +191,14 @@ def _one_thread(_: int) -> None:
 
 def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: str, log_every: int = 100,
           workers: int = 0, validate: bool = True, max_seconds: float | None = None,
-          init_from: str | None = None, schedule_steps: int | None = None, untimed_steps: int = 5) -> dict:
+          init_from: str | None = None, schedule_steps: int | None = None, untimed_steps: int = 5,
+          variant: str = "demo", val_examples: int = 512) -> dict:
     from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
 
+    spec = demo_variant(variant)
     torch.manual_seed(seed)
     tokenizer = demo_tokenizer()
-    config = demo_config(tokenizer)
+    config = demo_config(tokenizer, spec)
     parent_recipe = None  # the recipe of the run continued from, so the chain can be repeated
     if init_from is None:
         model = Qwen2VLForConditionalGeneration(config)
@@ -199,16 +208,18 @@ def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: s
         recipe_file = Path(init_from) / "training.json"
         parent_recipe = json.loads(recipe_file.read_text()) if recipe_file.exists() else None
     model = model.to(device).train()
-    batcher = Batcher(tokenizer, config.image_token_id)
+    batcher = Batcher(tokenizer, config.image_token_id, spec.scenes)
     batch_vision_attention(model, batcher.patches_per_image)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     horizon = schedule_steps or steps  # the cosine schedule's length (longer than `steps`: a run cut short)
     warmup = max(1, horizon // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / horizon))))
-    val_examples = make_split("validation", 512)
-    val = batcher(val_examples, device)
-    val_types = [ex.qtype for ex in val_examples]
+    if validate:  # no random draws: skipping it (a timing probe) leaves the training stream as it is
+        val_split = make_split("validation", val_examples, profile=spec.scenes)
+        val = batcher(val_split, device, raw_pixels=True)  # finished where the model is: 512 large scenes take
+        val["pixel_values"] = batcher.pixel_values(val.pop("images_u8"))  # ~15 s on 2 CPU cores, ms on a GPU
+        val_types = [ex.qtype for ex in val_split]
     loader = torch.utils.data.DataLoader(StepBatches(batcher, seed, steps, batch_size), batch_size=None,
                                          num_workers=workers, prefetch_factor=PREFETCH if workers else None,
                                          pin_memory=device.startswith("cuda"), worker_init_fn=_one_thread)
@@ -257,9 +268,11 @@ def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: s
                                                pad_token_id=tokenizer.pad_token_id, do_sample=False)
     model.generation_config.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    (path / "preprocessor_config.json").write_text(json.dumps(qwen_preprocessor_config(PIXELS, PIXELS), indent=1))
-    meta = {"steps": steps, "schedule_steps": horizon, "batch_size": batch_size, "lr": lr, "seed": seed,
-            "device": device, "question_types": list(QUESTION_TYPES), "train_seconds": time.time() - t0,
+    (path / "preprocessor_config.json").write_text(json.dumps(qwen_preprocessor_config(spec.pixels, spec.pixels),
+                                                              indent=1))
+    meta = {"variant": spec.name, "scenes": spec.scenes.name, "steps": steps, "schedule_steps": horizon,
+            "batch_size": batch_size, "lr": lr, "seed": seed, "device": device,
+            "question_types": list(QUESTION_TYPES), "train_seconds": time.time() - t0,
             "seconds_per_step": seconds_per_step, "stopped_early_at_step": stopped_at, "init_from": parent_recipe,
             "log": log}
     (path / "training.json").write_text(json.dumps(meta, indent=1))
@@ -267,7 +280,7 @@ def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: s
 
 
 def steps_for_budget(seconds: float, batch_size: int, lr: float, seed: int, device: str, workers: int,
-                     timed_steps: int = 20) -> int:
+                     timed_steps: int = 20, variant: str = "demo") -> int:
     """How many steps fit in `seconds` on this machine, from a short timed probe run (thrown away). The
     chosen count is recorded in training.json: retraining with `--steps N` reproduces the run exactly.
 
@@ -279,7 +292,7 @@ def steps_for_budget(seconds: float, batch_size: int, lr: float, seed: int, devi
     untimed = 2 * PREFETCH * workers + 5
     with tempfile.TemporaryDirectory() as tmp:
         meta = train(tmp, untimed + timed_steps, batch_size, lr, seed, device, log_every=untimed + timed_steps,
-                     workers=workers, validate=False, untimed_steps=untimed)
+                     workers=workers, validate=False, untimed_steps=untimed, variant=variant)
     per_step = meta["seconds_per_step"]
     steps = max(1, int(seconds / per_step))
     print(json.dumps({"probe_seconds_per_step": round(per_step, 4), "steps": steps}), flush=True)
@@ -289,12 +302,15 @@ def steps_for_budget(seconds: float, batch_size: int, lr: float, seed: int, devi
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="checkpoint folder to write")
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--variant", default="demo", choices=sorted(VARIANTS),
+                   help="which demo model: its scenes, its size and the defaults of --steps, --batch-size, --lr and "
+                        "--max-seconds (flashvlm/demo/variants.py; demo: 3000, 64, 3e-4, none)")
+    p.add_argument("--steps", type=int, default=None)
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="instead of --steps: time a short probe, then train as many steps as fit in this many "
                         "seconds (the count is printed and saved in training.json)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-4,
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None,
                    help="peak AdamW learning rate (1e-3 and above stall at the answer prior on this model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -310,6 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=min(8, max(0, (os.cpu_count() or 1) - 2)),
                    help="data-loader processes drawing and preprocessing scenes (the data order does not depend on it)")
     args = p.parse_args(argv)
+    recipe = VARIANTS[args.variant].recipe
+    for flag, default in (("steps", recipe.steps), ("batch_size", recipe.batch_size), ("lr", recipe.lr),
+                          ("max_seconds", recipe.max_seconds)):
+        if getattr(args, flag) is None:
+            setattr(args, flag, default)
     if args.steps < 1 or args.batch_size < 1 or args.lr < 0:
         p.error("--steps and --batch-size must be >= 1 and --lr >= 0")
     if args.schedule_steps is not None and args.schedule_steps < args.steps:
@@ -318,9 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--time-budget-s must be positive")
     if args.time_budget_s is not None:
         args.steps = steps_for_budget(args.time_budget_s, args.batch_size, args.lr, args.seed, args.device,
-                                      args.workers)
+                                      args.workers, variant=args.variant)
     train(args.out, args.steps, args.batch_size, args.lr, args.seed, args.device, args.log_every, args.workers,
-          max_seconds=args.max_seconds, init_from=args.init_from, schedule_steps=args.schedule_steps)
+          max_seconds=args.max_seconds, init_from=args.init_from, schedule_steps=args.schedule_steps,
+          variant=args.variant)
     return 0
 
 
