@@ -29,6 +29,13 @@ def qwen(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def qwen25(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("qwen25_pruning")
+    build_qwen2_vl(path, qwen25=True, seed=7)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
 def llava(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("llava_pruning")
     build_llava(path, seed=7)
@@ -110,10 +117,14 @@ class _Transformers:
         return tokens, first
 
 
+@pytest.mark.parametrize("variant", ["qwen2_vl", "qwen2_5_vl"])
 @torch.inference_mode()
-def test_pool_matches_transformers_on_hand_built_inputs(qwen: str) -> None:
-    from transformers import Qwen2VLForConditionalGeneration
+def test_pool_matches_transformers_on_hand_built_inputs(variant: str, request) -> None:
+    import transformers
 
+    qwen = request.getfixturevalue("qwen" if variant == "qwen2_vl" else "qwen25")
+    cls = (transformers.Qwen2VLForConditionalGeneration if variant == "qwen2_vl"
+           else transformers.Qwen2_5_VLForConditionalGeneration)
     llm = _llm(qwen, mm_token_pruning="pool", mm_token_keep_ratio=0.5)
     prompt = _prompt(_image(1))
     processed = llm.engine.process_prompt(prompt)
@@ -123,7 +134,7 @@ def test_pool_matches_transformers_on_hand_built_inputs(qwen: str) -> None:
     (out,), (ours_logits,) = _run(llm, [prompt])
     assert out.num_image_tokens == 56 and out.num_image_tokens_kept == 28
 
-    hf = _Transformers(Qwen2VLForConditionalGeneration, qwen)
+    hf = _Transformers(cls, qwen)
     feats = hf.model.model.get_image_features(item.model_pixels(), torch.tensor([item.layout])).pooler_output[0]
     kept = pool_indices(TokenGrid(1, 8, 7), 28).numpy()
     ids = torch.tensor(processed.prompt_token_ids)
@@ -189,6 +200,13 @@ def test_llava_divprune_matches_transformers_on_hand_built_inputs(llava: str) ->
     assert (ours_logits - hf_logits).abs().max().item() <= 1e-4
 
 
+def test_memory_profile_counts_the_images_a_pruned_step_holds(llava: str) -> None:
+    full = _llm(llava).engine.input_processor.profile_items(budget_tokens=100)
+    pruned = _llm(llava, mm_token_pruning="pool", mm_token_keep_ratio=0.25).engine.input_processor
+    assert len(full) == 100 // 16 and len(pruned.profile_items(budget_tokens=100)) == 100 // 4
+    assert all(item.pruning is None and item.num_tokens == 16 for item in full)
+
+
 def _count_encoder_calls(llm: LLM) -> list[int]:
     calls: list[int] = []
     model = llm.engine.model
@@ -248,10 +266,12 @@ def test_preemption_and_recompute_keep_pruned_outputs(qwen: str) -> None:
     prompts = [_prompt(_image(10 + i), f" Question {i}?", mm_token_pruning=("pool", "divprune")[i % 2],
                        mm_token_keep_ratio=0.25) for i in range(6)]
     roomy, roomy_logits = _run(_llm(qwen), prompts, _greedy(24))
-    # 12 blocks of 8 tokens: one request fits (about 40 prompt tokens + 24), three growing together do not.
-    tight_llm = _llm(qwen, kv_cache_tokens=96, max_num_batched_tokens=64)
+    # 12 blocks of 8 tokens: one request fits (about 40 prompt tokens + 24), three growing together do not. No
+    # encoder cache: a preempted request's image is encoded again, its tokens chosen again and placed again.
+    tight_llm = _llm(qwen, kv_cache_tokens=96, max_num_batched_tokens=64, encoder_cache_tokens=0)
     tight, tight_logits = _run(tight_llm, prompts, _greedy(24))
     assert tight_llm.engine.scheduler.num_preemptions_total > 0
+    assert tight_llm.engine.runner.kept_tokens.num_selections > len(prompts)
     assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
     for a, b in zip(tight_logits, roomy_logits):
         assert (a - b).abs().max().item() <= 1e-4
