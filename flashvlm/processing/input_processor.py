@@ -94,6 +94,11 @@ class InputProcessor:
         """Where rescale/normalize/patchify run (None: CPU); decoding and resizing always run on the CPU."""
         self.pruning = pruning
         """The engine's (mm_token_pruning, mm_token_keep_ratio); a request's mm_processor_kwargs override them."""
+        if pruning[0] != "none" and self.image_inputs.token_grid(self.image_inputs.profile_item()) is None:
+            from flashvlm.config import ConfigError
+
+            raise ConfigError(f"mm_token_pruning {pruning[0]!r}: this model's image tokens form no grid (e.g. LLaVA "
+                              "with vision_feature_select_strategy 'full' keeps the CLS token); use 'none'")
 
     # ---- prompts -------------------------------------------------------------------------------
     def process(self, prompt: str | dict[str, Any], mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:

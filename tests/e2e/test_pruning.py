@@ -207,6 +207,19 @@ def test_memory_profile_counts_the_images_a_pruned_step_holds(llava: str) -> Non
     assert all(item.pruning is None and item.num_tokens == 16 for item in full)
 
 
+def test_image_tokens_that_form_no_grid_are_not_pruned(llava: str) -> None:
+    """LLaVA keeping the CLS token (vision_feature_select_strategy 'full'): a pruned request is refused, an engine
+    pruning by default does not start, unpruned requests run."""
+    full_cls = {"vision_feature_select_strategy": "full"}
+    with pytest.raises(ConfigError, match="form no grid"):
+        _llm(llava, hf_overrides=full_cls, mm_token_pruning="pool")
+    llm = _llm(llava, hf_overrides=full_cls)
+    with pytest.raises(InvalidRequestError, match="form no grid"):
+        llm.generate([_prompt(_image(8), placeholder=LLAVA_IMAGE, mm_token_pruning="pool")], _greedy(2))
+    out = llm.generate([_prompt(_image(8), placeholder=LLAVA_IMAGE)], _greedy(2))[0]
+    assert out.num_image_tokens == out.num_image_tokens_kept == 17
+
+
 def _count_encoder_calls(llm: LLM) -> list[int]:
     calls: list[int] = []
     model = llm.engine.model
