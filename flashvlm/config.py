@@ -13,6 +13,9 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any
 
 from flashvlm.option_spec import EngineOption, collect_options, option
+from flashvlm.pruning.base import PruningSettingError, validate_keep_ratio
+from flashvlm.pruning.registry import PRUNING_STRATEGIES
+from flashvlm.pruning.setting import strategy_problem
 from flashvlm.quant.registry import QUANTIZATION_CHOICES
 
 
@@ -55,6 +58,18 @@ def _kv_cache_dtype(name: str, value: Any) -> str | None:
     return E5M2_REFUSAL if value == "fp8_e5m2" else None
 
 
+def _pruning_strategy(name: str, value: Any) -> str | None:
+    return strategy_problem(value)
+
+
+def _keep_ratio(name: str, value: Any) -> str | None:
+    try:
+        validate_keep_ratio(value)
+    except PruningSettingError as e:
+        return str(e).replace("mm_token_keep_ratio", name, 1)
+    return None
+
+
 def _device(name: str, value: Any) -> str | None:
     ok = isinstance(value, str) and (value == "auto" or value.split(":")[0] in ("cpu", "cuda"))
     return None if ok else f"{name} must be 'cpu', 'cuda' or 'cuda:N', got {value!r}"
@@ -81,6 +96,15 @@ class ModelConfig:
              "(compressed-tensors, transformers fp8) is run as it is without this flag (docs/quantization.md)")
     quantize_vision: bool = option(False, help="with --quantization, also quantize the vision tower and projector "
                                                "(they stay in the model dtype by default)")
+    mm_token_pruning: str = option(
+        "none", choices=PRUNING_STRATEGIES, check=_pruning_strategy,
+        help="visual-token pruning: which of an image's merged tokens the language model sees (docs/pruning.md); "
+             "none = all; pool = an evenly spread subset; divprune = the most diverse subset; dedup is not run by "
+             "the engine yet. A request overrides it with mm_processor_kwargs {\"mm_token_pruning\": ...}")
+    mm_token_keep_ratio: float = option(
+        0.25, check=_keep_ratio,
+        help="share of an image's tokens a pruning strategy keeps, in (0, 1]: ceil(tokens * ratio); no effect with "
+             "mm_token_pruning none. A request overrides it with mm_processor_kwargs {\"mm_token_keep_ratio\": ...}")
     hf_overrides: dict[str, Any] = option(default_factory=dict, cli=False,
                                           help="keyword overrides for the checkpoint's transformers config "
                                                "(passed to AutoConfig.from_pretrained)")

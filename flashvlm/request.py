@@ -6,7 +6,10 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flashvlm.pruning.setting import TokenPruning
 
 
 class InvalidRequestError(ValueError):
@@ -86,11 +89,15 @@ class MMItem:
     offset: int = 0
     """Index of the first placeholder token in the prompt."""
     num_tokens: int = 0
-    """Number of placeholder tokens (= embeddings the vision tower yields)."""
+    """Number of placeholder tokens: the embeddings the vision tower yields, or those kept of them when the item
+    is pruned."""
     layout: Any = None
     """What the family's vision tower needs beyond the pixels, written and read only by that family (Qwen: the
     (t, h, w) grid in patches; LLaVA-1.5: None). Hashable: with the pixels' shape and num_tokens it is the item's
     shape key (the runner keys vision graphs on it)."""
+    pruning: TokenPruning | None = None
+    """Set when only some of the tower's tokens enter the prompt (`num_tokens` of `pruning.num_full_tokens`);
+    None: every one does, exactly as without pruning."""
     image_size: tuple[int, int] = (0, 0)
     """Original (width, height), for reporting."""
     pixel_decoder: Callable[[Any], Any] | None = None
@@ -100,6 +107,11 @@ class MMItem:
     @property
     def end(self) -> int:
         return self.offset + self.num_tokens
+
+    @property
+    def encoder_tokens(self) -> int:
+        """Embeddings the vision tower yields for the item (what the encoder cache holds)."""
+        return self.num_tokens if self.pruning is None else self.pruning.num_full_tokens
 
     def model_pixels(self, device: Any = None) -> Any:
         """pixel_values as the vision tower takes them (on `device`, if given)."""
@@ -199,6 +211,10 @@ class RequestOutput:
     stop_reason: int | str | None = None
     stages: dict[str, float] = field(default_factory=dict)
     """Seconds per pipeline stage, filled when the request finishes (see Request.stage_times)."""
+    num_image_tokens: int = 0
+    """Image tokens of the prompt as the vision tower yields them (before pruning)."""
+    num_image_tokens_kept: int = 0
+    """Of those, the tokens the language model saw (all of them unless pruned)."""
 
     @property
     def finished(self) -> bool:

@@ -3,9 +3,10 @@
 A full block's hash covers its parent block's hash (so a hash names the whole prefix up to the
 block's end), its token ids, and for each image whose placeholder range overlaps the block the
 triple (mm_hash, index within the image of the block's first placeholder of it, position of that
-placeholder within the block). Two different pictures behind the same placeholder token ids
-therefore never share KV, and the same picture at another prompt position shares nothing past
-the point where the token prefixes differ. (The in-block position is redundant when placeholders
+placeholder within the block). A pruned image's key also names its pruning setting (`kv_image_key`), so two
+settings of one picture never share KV; unpruned, the key is the mm_hash alone. Two different pictures behind
+the same placeholder token ids therefore never share KV, and the same picture at another prompt position
+shares nothing past the point where the token prefixes differ. (The in-block position is redundant when placeholders
 have their own token id, as in every supported model; it keeps the hash exact without relying on it.)
 
 Hashes are blake2b digests (stable across processes, unlike Python's randomized hash()), used
@@ -25,7 +26,13 @@ _ROOT = b"flashvlm-kv-v1".ljust(16, b"\0")
 """Parent of the first block; bump the version if the hashed layout changes."""
 
 MMKey = tuple[str, int, int]
-"""(mm_hash, index within the image of the block's first placeholder of it, its position in the block)."""
+"""(kv_image_key, index within the image of the block's first placeholder of it, its position in the block)."""
+
+
+def kv_image_key(item: MMItem) -> str:
+    """What names an image's KV: its content hash, and for a pruned item the pruning setting, whose kept tokens
+    are other embeddings at other positions."""
+    return item.mm_hash if item.pruning is None else f"{item.mm_hash}|pruned:{item.pruning.key}"
 
 
 def hash_block(parent: int | None, token_ids: Sequence[int], mm_keys: Sequence[MMKey] = ()) -> int:
@@ -55,7 +62,7 @@ def _block_digest(parent: bytes, length: bytes, token_bytes: bytes | memoryview,
 
 def block_mm_keys(items: Sequence[MMItem], start: int, end: int) -> list[MMKey]:
     """Keys of the images overlapping token range [start, end), in prompt order."""
-    return [(it.mm_hash, max(start, it.offset) - it.offset, max(start, it.offset) - start) for it in items
+    return [(kv_image_key(it), max(start, it.offset) - it.offset, max(start, it.offset) - start) for it in items
             if it.num_tokens > 0 and it.offset < end and it.end > start]
 
 
@@ -81,7 +88,7 @@ def extend_block_hashes(hashes: list[int], req: Request, block_size: int, num_bl
     if first >= num_blocks:
         return hashes
     # Images in prompt order (their placeholder ranges never overlap), with their hashes' bytes made once.
-    items = sorted((it.offset, it.end, _mm_prefix(it.mm_hash)) for it in req.mm_items if it.num_tokens > 0)
+    items = sorted((it.offset, it.end, _mm_prefix(kv_image_key(it))) for it in req.mm_items if it.num_tokens > 0)
     token_bytes = memoryview(array("q", _tokens(req, first * block_size, num_blocks * block_size)).tobytes())
     width, length = block_size * 8, block_size.to_bytes(4, "little")
     parent = _ROOT if not hashes else hashes[-1].to_bytes(16, "little")

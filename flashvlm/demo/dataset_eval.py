@@ -175,7 +175,8 @@ def evaluate_dataset(llm: Any, examples: list[DatasetExample], source: str, batc
                      max_tokens: int | None = None, progress: bool = False) -> dict[str, Any]:
     """Greedy answers through `llm.chat`, batch_size questions at a time, scored by exact match after
     normalisation; the result has the shape of `evaluate`'s (split = the dataset's path) plus max_tokens and
-    errors (the lines the engine refused, counted wrong)."""
+    errors (the lines the engine refused, counted wrong), and image_tokens / image_tokens_kept (of every picture
+    submitted, as the vision tower yields them and as many as visual-token pruning left for the language model)."""
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     if max_tokens is None:
@@ -186,6 +187,7 @@ def evaluate_dataset(llm: Any, examples: list[DatasetExample], source: str, batc
     total: dict[str, int] = {}  # insertion order: rows in order of first appearance
     mistakes: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
+    before = llm.engine.stats()
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
         for ex, got in zip(chunk, _answer_batch(llm, chunk, params, progress)):
@@ -201,7 +203,8 @@ def evaluate_dataset(llm: Any, examples: list[DatasetExample], source: str, batc
     per_type = {t: {"correct": correct[t], "total": n, "accuracy": correct[t] / n} for t, n in total.items()}
     n = len(examples)
     return {"split": source, "num_examples": n, "accuracy": sum(correct.values()) / n, "per_type": per_type,
-            "sample_mistakes": mistakes, "max_tokens": max_tokens, "errors": errors}
+            "sample_mistakes": mistakes, "max_tokens": max_tokens, "errors": errors,
+            **{key: llm.engine.stats()[key] - before[key] for key in ("image_tokens", "image_tokens_kept")}}
 
 
 def format_errors(result: dict[str, Any]) -> str:

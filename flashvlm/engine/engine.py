@@ -71,7 +71,8 @@ class Engine:
         caching = cache.enable_prefix_caching or cache.encoder_cache_tokens > 0
         self.input_processor = InputProcessor(self.checkpoint, text_cfg.vocab_size, self.model.image_token_id,
                                               pixel_cache_bytes=PIXEL_CACHE_BYTES if caching else 0,
-                                              preprocess_device=config.device if config.preprocess_on_gpu else None)
+                                              preprocess_device=config.device if config.preprocess_on_gpu else None,
+                                              pruning=(mc.mm_token_pruning, mc.mm_token_keep_ratio))
         self.runner = ModelRunner(config, self.model, self.dtype, max_model_len=max_len,
                                   attention_backend=attention_backend)
         kv_scale_source = self.runner.set_kv_scales(kv_scheme)
@@ -95,6 +96,8 @@ class Engine:
         self.step_log: list[StepRecord] | None = None
         """Set to a list to record every step (benchmarks); None costs nothing."""
         self._ids = itertools.count()
+        self._image_tokens = [0, 0]
+        """Image tokens of the requests added: as the tower yields them, and kept (pruning), for stats()."""
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens in %s, loaded in %.1fs",
                     self.checkpoint.path.name, config.device, self.dtype, num_blocks,
                     config.cache.block_size, self.limits.kv_cache_dtype, self.load_time)
@@ -153,6 +156,8 @@ class Engine:
                                       f"({self.limits.num_kv_blocks - 1} blocks of {self.config.cache.block_size})")
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens, params.stop)
         self._tracked[request_id] = _Tracked(req, detok)
+        self._image_tokens[0] += sum(it.encoder_tokens for it in req.mm_items)
+        self._image_tokens[1] += sum(it.num_tokens for it in req.mm_items)
         self.scheduler.add_request(req)
         return req
 
@@ -262,7 +267,9 @@ class Engine:
         encoder_cache_tokens (embeddings held). Counters since start: num_preemptions, kv_evicted_blocks
         (cached blocks reused for other content), prefix_cache_queries / prefix_cache_hits (tokens, once
         per admission), encoder_cache_hits / _misses (per request and image), encoder_cache_evictions,
-        images_skipped_by_prefix_cache (no encoder run, no prefill), images_encoded (vision tower runs)."""
+        images_skipped_by_prefix_cache (no encoder run, no prefill), images_encoded (vision tower runs),
+        image_tokens (of the requests added, as the tower yields them) and image_tokens_kept (those the language
+        model sees after visual-token pruning)."""
         sched = self.scheduler
         bm, enc, prefix = sched.block_manager, sched.encoder_cache, sched.block_manager.prefix_stats
         return {
@@ -288,6 +295,8 @@ class Engine:
             "encoder_cache_budget_tokens": enc.cache_tokens,
             "images_skipped_by_prefix_cache": sched.num_images_skipped,
             "images_encoded": self.runner.num_encoded_images,
+            "image_tokens": self._image_tokens[0],
+            "image_tokens_kept": self._image_tokens[1],
             "pixel_cache_hits": self.input_processor.pixel_cache.num_hits,
         }
 
@@ -298,7 +307,9 @@ class Engine:
                              token_ids=list(req.output_token_ids), text=tracked.detokenizer.text,
                              finish_reason=finish, arrival_time=req.arrival_time,
                              first_token_time=req.first_token_time, finish_time=req.finish_time,
-                             num_cached_tokens=req.num_cached_tokens, stop_reason=req.stop_reason)
+                             num_cached_tokens=req.num_cached_tokens, stop_reason=req.stop_reason,
+                             num_image_tokens=sum(it.encoder_tokens for it in req.mm_items),
+                             num_image_tokens_kept=sum(it.num_tokens for it in req.mm_items))
 
     def _finish_output(self, tracked: _Tracked) -> RequestOutput:
         t0 = time.perf_counter()

@@ -301,7 +301,7 @@ class Scheduler(WaitingAdmission):
                 # item of this batch) is computed once; add() then only takes a reference.
                 if enc.needs_encode(item.mm_hash):
                     inputs.setdefault(req.request_id, []).append(idx)
-                enc.add(req.request_id, item.mm_hash, item.num_tokens)
+                enc.add(req.request_id, item.mm_hash, item.encoder_tokens)  # the tower's full output, pruned or not
         return inputs
 
     # ---- results -----------------------------------------------------------------------

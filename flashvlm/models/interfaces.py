@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -76,12 +78,27 @@ class VLModel(nn.Module):
                           enabled=self.use_triton_kernels)
         return self.lm_head(hidden)
 
-    def prompt_positions(self, prompt_token_ids: list[int], mm_items: list[MMItem]) -> tuple[torch.Tensor, int]:
+    def prompt_positions(self, prompt_token_ids: list[int], mm_items: list[MMItem],
+                         kept: Mapping[int, np.ndarray] | None = None) -> tuple[torch.Tensor, int]:
         """Positions of the prompt tokens and the delta that continues them for generated tokens.
 
         Plain RoPE: (arange(L), 0). M-RoPE: a (3, L) tensor and the rope delta, so generated token i
-        sits at position i + delta on all three axes."""
-        return torch.arange(len(prompt_token_ids)), 0
+        sits at position i + delta on all three axes. A pruned item (`item.pruning`) keeps the tokens `kept[i]`
+        (i: its index in mm_items; sorted indices into its full output) at the positions they have unpruned, and
+        what follows it sits where it would after the whole image; items whose kept indices are not given yet
+        get their first num_tokens positions, which the runner replaces before those tokens run."""
+        if not any(item.pruning is not None for item in mm_items):
+            return torch.arange(len(prompt_token_ids)), 0
+        positions = np.arange(len(prompt_token_ids), dtype=np.int64)
+        shift = 0
+        for i, item in sorted(enumerate(mm_items), key=lambda pair: pair[1].offset):
+            chosen = (kept or {}).get(i)
+            if chosen is not None:
+                positions[item.offset:item.end] = positions[item.offset] + np.asarray(chosen, dtype=np.int64)
+            dropped = item.encoder_tokens - item.num_tokens
+            positions[item.end:] += dropped
+            shift += dropped
+        return torch.from_numpy(positions), shift
 
     def checkpoint_module(self, ckpt_name: str) -> str | None:
         """The module (by our name) that a checkpoint tensor is loaded into; None for tensors the model skips.

@@ -93,8 +93,8 @@ class LlavaForConditionalGeneration(VLModel):
         pixel_values = [torch.as_tensor(item.pixel_values) for item in items]
         # Checked per item before stacking, so a bad image is named instead of failing inside torch.stack.
         for item, pv in zip(items, pixel_values):
-            if item.num_tokens != expected:
-                raise ValueError(f"image {item.mm_hash}: {item.num_tokens} placeholder tokens, "
+            if item.encoder_tokens != expected:
+                raise ValueError(f"image {item.mm_hash}: {item.encoder_tokens} placeholder tokens unpruned, "
                                  f"the vision tower yields {expected}")
             if tuple(pv.shape) != shape:
                 raise ValueError(f"image {item.mm_hash}: pixel_values shape {tuple(pv.shape)}, "

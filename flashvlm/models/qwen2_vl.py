@@ -6,7 +6,7 @@ are shared.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -48,27 +48,40 @@ def _token_id(cfg, name: str) -> int:
     return int(value)
 
 
-def mrope_positions(length: int, images: list[tuple[int, int, int, int, int, str]]) -> tuple[torch.Tensor, int]:
+def mrope_positions(length: int, images: list[tuple[int, int, int, int, int, str]],
+                    kept: Mapping[int, np.ndarray] | None = None) -> tuple[torch.Tensor, int]:
     """(3, length) int64 M-RoPE positions and the rope delta, for images given as (offset, end, t, merged h,
     merged w, name) (see Qwen2VLForConditionalGeneration.prompt_positions; the demo trainer uses it to spare
     transformers' per-row position loop). Built with numpy: it runs on the host before a request's first
-    step, where a dozen small torch ops cost ~0.25 ms."""
+    step, where a dozen small torch ops cost ~0.25 ms.
+
+    A pruned image (end - offset below t * h * w) holds the tokens `kept[offset]` (sorted raster indices) of its
+    grid, each at its own (t, h, w) position; the text after it continues as it would after the whole image, so
+    text positions never depend on which tokens were kept. Without its kept indices (not chosen yet) its first
+    end - offset raster positions stand in: the runner replaces them before the image's tokens run."""
     positions = np.empty((3, length), dtype=np.int64)
-    cursor, pos = 0, 0
+    cursor, pos, top = 0, 0, 0
     for offset, end, t, gh, gw, name in sorted(images):
-        if offset < cursor or end > length:
-            raise ValueError(f"image {name}: placeholders [{offset}, {end}) overlap another image or run past "
-                             f"the prompt ({length} tokens)")
+        if offset < cursor or end > length or end - offset > t * gh * gw:
+            raise ValueError(f"image {name}: placeholders [{offset}, {end}) overlap another image, run past "
+                             f"the prompt ({length} tokens) or outnumber its {t}x{gh}x{gw} grid")
         positions[:, cursor:offset] = np.arange(pos, pos + offset - cursor)
         pos += offset - cursor
-        grid = positions[:, offset:end].reshape(3, t, gh, gw)
+        grid = np.empty((3, t, gh, gw), dtype=np.int64)
         grid[0] = pos + np.arange(t)[:, None, None]
         grid[1] = pos + np.arange(gh)[None, :, None]
         grid[2] = pos + np.arange(gw)[None, None, :]
+        grid = grid.reshape(3, -1)
+        chosen = kept.get(offset) if kept is not None else None
+        if chosen is not None and len(chosen) != end - offset:
+            raise ValueError(f"image {name}: {len(chosen)} kept indices for {end - offset} placeholders")
+        positions[:, offset:end] = grid[:, :end - offset] if chosen is None else grid[:, chosen]
+        top = max(top, int(grid.max()) + 1)  # the whole grid's, kept or not: the delta is pruning's too
         pos += max(gh, gw)
         cursor = end
     positions[:, cursor:] = np.arange(pos, pos + length - cursor)
-    return torch.from_numpy(positions), int(positions.max()) + 1 - length if length else 0
+    top = max(top, int(positions.max()) + 1) if length else 0
+    return torch.from_numpy(positions), top - length if length else 0
 
 
 class Qwen2VLForConditionalGeneration(VLModel):
@@ -95,8 +108,8 @@ class Qwen2VLForConditionalGeneration(VLModel):
         t, h, w = (int(x) for x in item.layout)
         grid = (t, h, w)
         expected = self.visual.tokens_per_image(grid)
-        if item.num_tokens != expected:
-            raise ValueError(f"image {item.mm_hash}: {item.num_tokens} placeholder tokens, "
+        if item.encoder_tokens != expected:
+            raise ValueError(f"image {item.mm_hash}: {item.encoder_tokens} placeholder tokens unpruned, "
                              f"grid {grid} yields {expected}")
         return grid
 
@@ -109,22 +122,24 @@ class Qwen2VLForConditionalGeneration(VLModel):
         pixels = torch.cat([torch.as_tensor(item.model_pixels()) for item in items])
         pixels = pixels.to(device=weight.device, dtype=weight.dtype, non_blocking=True)
         features = self.visual(pixels, grids)
-        return list(features.split([item.num_tokens for item in items]))
+        return list(features.split([item.encoder_tokens for item in items]))
 
-    def prompt_positions(self, prompt_token_ids: list[int],
-                         mm_items: list[MMItem]) -> tuple[torch.Tensor, int]:
+    def prompt_positions(self, prompt_token_ids: list[int], mm_items: list[MMItem],
+                         kept: Mapping[int, np.ndarray] | None = None) -> tuple[torch.Tensor, int]:
         """M-RoPE positions as transformers' get_rope_index computes them for images.
 
         Text advances all three axes together. An image's tokens take (t, h, w) coordinates over its
         merged grid, each axis offset by the position after the preceding text; the text after it
         resumes at that offset + max(grid h, grid w). Images have t = 1, so Qwen2.5-VL's temporal
-        scaling (videos only) never applies."""
+        scaling (videos only) never applies. A pruned item's kept tokens keep their own positions (`kept`: item
+        index -> its kept indices; see `mrope_positions`)."""
         images = []
         for item in mm_items:
             t, h, w = self._grid(item)
             images.append((item.offset, item.end, t, h // self.spatial_merge_size, w // self.spatial_merge_size,
                            item.mm_hash))
-        return mrope_positions(len(prompt_token_ids), images)
+        by_offset = {mm_items[i].offset: indices for i, indices in (kept or {}).items()}
+        return mrope_positions(len(prompt_token_ids), images, by_offset)
 
     def _param_name(self, ckpt_name: str) -> str | None:
         if ckpt_name.startswith("lm_head."):

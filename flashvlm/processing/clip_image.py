@@ -22,6 +22,7 @@ from flashvlm.processing.preprocess import (
     positive_int,
     to_rgb,
 )
+from flashvlm.pruning.base import TokenGrid
 from flashvlm.request import InvalidRequestError, MMItem
 
 if TYPE_CHECKING:
@@ -184,3 +185,12 @@ class ClipImageInputs:
     def profile_item(self) -> MMItem:
         return MMItem(mm_hash="memory-profile", pixel_values=torch.zeros(3, *self.processor.crop_hw),
                       num_tokens=self.num_tokens)
+
+    def token_grid(self, item: MMItem) -> TokenGrid | None:
+        """CLIP's patch grid of the tower's fixed input size (row by row); None when the tokens also hold the
+        CLS token (vision_feature_select_strategy 'full'), which sits at no grid position."""
+        if self.select_strategy != "default":
+            return None
+        proc = self.processor
+        height, width = proc.crop_hw if proc.do_center_crop else proc.resize_hw
+        return TokenGrid(1, height // self.patch_size, width // self.patch_size)

@@ -19,6 +19,8 @@ from typing import Any
 from flashvlm.models.loader import Checkpoint
 from flashvlm.processing.images import load_image, rgb_array
 from flashvlm.processing.preprocess import SourceImage
+from flashvlm.pruning.base import PruningSettingError, kept_count
+from flashvlm.pruning.setting import PRUNING_KWARGS, pruning_for, resolve_setting
 from flashvlm.request import InvalidRequestError, MMItem
 
 _IMAGE_PART_TYPES = ("image", "image_url", "input_image")
@@ -76,7 +78,7 @@ class InputProcessor:
 
     def __init__(self, checkpoint: Checkpoint, vocab_size: int, image_token_id: int,
                  max_images_per_prompt: int = 16, pixel_cache_bytes: int = 256 << 20,
-                 preprocess_device: str | None = None) -> None:
+                 preprocess_device: str | None = None, pruning: tuple[str, float] = ("none", 1.0)) -> None:
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
         self.vocab_size = vocab_size
@@ -90,6 +92,13 @@ class InputProcessor:
         self._image_token = self.tokenizer.convert_ids_to_tokens(image_token_id)
         self.preprocess_device = preprocess_device
         """Where rescale/normalize/patchify run (None: CPU); decoding and resizing always run on the CPU."""
+        self.pruning = pruning
+        """The engine's (mm_token_pruning, mm_token_keep_ratio); a request's mm_processor_kwargs override them."""
+        if pruning[0] != "none" and self.image_inputs.token_grid(self.image_inputs.profile_item()) is None:
+            from flashvlm.config import ConfigError
+
+            raise ConfigError(f"mm_token_pruning {pruning[0]!r}: this model's image tokens form no grid (e.g. LLaVA "
+                              "with vision_feature_select_strategy 'full' keeps the CLS token); use 'none'")
 
     # ---- prompts -------------------------------------------------------------------------------
     def process(self, prompt: str | dict[str, Any], mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
@@ -175,15 +184,40 @@ class InputProcessor:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        items = [self._preprocess(src, kwargs, i) for i, src in enumerate(images)]
+        setting = self._pruning_setting(kwargs)  # checked with or without images
+        family_kwargs = {k: v for k, v in kwargs.items() if k not in PRUNING_KWARGS}
+        items = [self._preprocess(src, family_kwargs, i) for i, src in enumerate(images)]
+        for item in items:
+            self._prune(item, setting)
         return ProcessedPrompt(self._expand_placeholders(token_ids, items), items)
+
+    def _pruning_setting(self, kwargs: dict) -> tuple[str, float]:
+        try:
+            return resolve_setting(self.pruning, kwargs)
+        except PruningSettingError as e:
+            raise InvalidRequestError(str(e)) from None
+
+    def _prune(self, item: MMItem, setting: tuple[str, float]) -> None:
+        """Give the item its pruning setting and expand its placeholders to the kept count (the tower still
+        yields `item.encoder_tokens`)."""
+        strategy, ratio = setting
+        try:
+            item.pruning = pruning_for(strategy, ratio, self.image_inputs.token_grid(item), item.num_tokens)
+        except PruningSettingError as e:
+            raise InvalidRequestError(str(e)) from None
+        if item.pruning is not None:
+            item.num_tokens = item.pruning.num_kept
 
     def profile_items(self, budget_tokens: int) -> list[MMItem]:
         """Stand-ins for the heaviest vision batch one step can hold, for memory profiling: the largest image
         a request may send, repeated as often as the step's token budget covers (once for an image that outweighs
-        the budget). Pixel values are zeros: only shapes matter."""
+        the budget). Pixel values are zeros: only shapes matter. With the engine's pruning on, a step's token budget
+        holds the placeholders of more images: as many as its kept count covers."""
         item = self.image_inputs.profile_item()
-        return [item] * max(1, budget_tokens // item.num_tokens)
+        per_image = item.num_tokens
+        if self.pruning[0] != "none":
+            per_image = kept_count(item.num_tokens, self.pruning[1])
+        return [item] * max(1, budget_tokens // per_image)
 
     def _preprocess(self, src: Any, kwargs: dict, index: int) -> MMItem:
         try:

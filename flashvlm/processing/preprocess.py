@@ -23,6 +23,7 @@ from flashvlm.request import InvalidRequestError, MMItem
 
 if TYPE_CHECKING:
     from flashvlm.processing.input_processor import PixelCache
+    from flashvlm.pruning.base import TokenGrid
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -61,6 +62,11 @@ class ImageInputs(Protocol):
         ...
 
     def profile_item(self) -> MMItem:
+        ...
+
+    def token_grid(self, item: MMItem) -> TokenGrid | None:
+        """The merged grid of the item's tower output, in the raster order of its embeddings (what pruning
+        strategies select on); None where the tokens form no grid."""
         ...
 
 

@@ -24,6 +24,7 @@ from flashvlm.processing.preprocess import (
     value_table,
 )
 from flashvlm.processing.qwen_grid import largest_qwen_grid, qwen_target_size
+from flashvlm.pruning.base import TokenGrid
 from flashvlm.request import InvalidRequestError, MMItem
 
 if TYPE_CHECKING:
@@ -220,6 +221,11 @@ class QwenImageInputs:
         pixels = torch.zeros(grid[0] * grid[1] * grid[2], patch)
         return MMItem(mm_hash="memory-profile", pixel_values=pixels, num_tokens=proc.num_image_tokens(grid),
                       layout=grid)
+
+    def token_grid(self, item: MMItem) -> TokenGrid:
+        """The (t, h, w) patch grid divided by the merge size: the patch merger folds each merge x merge window
+        into one token, and the windows come in raster order (`_patchify`)."""
+        return TokenGrid.from_patch_grid(item.layout, self.processor.merge_size)
 
     def _pixels(self, image: SourceImage, kwargs: dict, cache: PixelCache,
                 device: str | None) -> tuple[str, torch.Tensor, Grid, bool]:

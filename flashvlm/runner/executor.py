@@ -32,6 +32,7 @@ from flashvlm.runner.inputs import (
     general_step_inputs,
 )
 from flashvlm.runner.lookahead import GreedyDecodePipeline, pipeline_eligible
+from flashvlm.runner.pruned_tokens import KeptTokens
 from flashvlm.runner.step_graphs import StepGraphs, step_graph_max_tokens
 
 
@@ -57,17 +58,18 @@ class StepPlan:
         return self.inputs.sample_request_ids if self.inputs is not None else self.batch.sample_request_ids
 
 
-def splice_image_embeddings(out: SchedulerOutput, embeds: torch.Tensor,
-                            encoder_outputs: dict[str, torch.Tensor]) -> None:
-    """Write each scheduled chunk's image embeddings over its placeholder rows of the flat batch."""
+def splice_image_embeddings(out: SchedulerOutput, embeds: torch.Tensor, encoder_outputs: dict[str, torch.Tensor],
+                            kept_tokens: KeptTokens) -> None:
+    """Write each scheduled chunk's image embeddings over its placeholder rows of the flat batch (a pruned
+    image's placeholders take its kept embeddings, in order)."""
     row = 0
     for s in out.scheduled:
         a, b = s.start, s.end
         for item in s.request.mm_items:
             lo, hi = max(a, item.offset), min(b, item.end)
             if lo < hi:
-                emb = encoder_outputs[item.mm_hash]
-                embeds[row + lo - a: row + hi - a] = emb[lo - item.offset: hi - item.offset].to(embeds.dtype)
+                rows = kept_tokens.image_rows(item, encoder_outputs[item.mm_hash], lo - item.offset, hi - item.offset)
+                embeds[row + lo - a: row + hi - a] = rows.to(embeds.dtype)
         row += b - a
 
 
@@ -130,13 +132,15 @@ class StepExecutor:
         """A LOOKAHEAD plan's tokens, one per row (the pipeline reads them; no sampler)."""
         return self.pipeline.step(out, plan.batch, waiting=out.may_admit)
 
-    def logits(self, out: SchedulerOutput, plan: StepPlan, encoder_outputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def logits(self, out: SchedulerOutput, plan: StepPlan, encoder_outputs: dict[str, torch.Tensor],
+               kept_tokens: KeptTokens) -> torch.Tensor:
         """Logits of the step's sampled rows (in plan.sample_request_ids order) for every path but LOOKAHEAD."""
         if plan.path is ExecutionPath.DECODE_GRAPH:
             return self.decode_graphs.run(plan.batch)
         inputs = plan.inputs
         embeds = self.model.embed_tokens(inputs.input_ids)
-        splice_image_embeddings(out, embeds, encoder_outputs)  # the vision tower's output enters before any graph
+        # The vision tower's output enters before any graph, so graphs and eager steps splice alike.
+        splice_image_embeddings(out, embeds, encoder_outputs, kept_tokens)
         if plan.path is ExecutionPath.STEP_GRAPH:
             return self.step_graphs.run(embeds, inputs.positions, inputs.attn_step, inputs.sample_rows)
         ctx = ForwardContext(attn_meta=self.backend.build_metadata(inputs.attn_step), kv_caches=self.kv_caches,

@@ -25,6 +25,7 @@ from flashvlm.runner.executor import ExecutionPath, StepExecutor
 from flashvlm.runner.inputs import PositionStore
 from flashvlm.runner.kv_scales import CALIBRATION_TOKENS, calibration_amax, resolve_kv_scales
 from flashvlm.runner.memory_planner import MemoryPlanner
+from flashvlm.runner.pruned_tokens import KeptTokens
 from flashvlm.runner.sampler import Sampler, SamplerInputs, make_generator
 from flashvlm.runner.step_graphs import StepGraphs
 from flashvlm.runner.timing import StepTimer, StepTimings
@@ -80,6 +81,8 @@ class ModelRunner:
         self.positions = PositionStore()
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         """Vision embeddings by mm_hash; the scheduler's EncoderCacheManager decides what stays."""
+        self.kept_tokens = KeptTokens()
+        """Pruned images' kept indices (chosen from encoder_outputs) and the positions built from them."""
         self.num_encoded_images = 0
         """Images run through the vision tower since start (cache tests and stats)."""
         self.generators: dict[str, torch.Generator | None] = {}
@@ -152,6 +155,7 @@ class ModelRunner:
             self._vision_timer.start()
             encoded = self._encode_images(out)
             self._vision_timer.stop()
+        self.kept_tokens.place(out, self.model, self.positions, self.encoder_outputs)
 
         timer, previous_timer = self._forward_timers[self._step_parity], self._forward_timers[1 - self._step_parity]
         self._step_parity ^= 1
@@ -167,7 +171,7 @@ class ModelRunner:
             self.last_timings = StepTimings(forward_s=forward_s, num_images=len(encoded), prepare_s=prepare_s,
                                             encoded_items=encoded)
             return dict(zip(plan.batch.sample_request_ids, tokens))
-        logits = self.executor.logits(out, plan, self.encoder_outputs)
+        logits = self.executor.logits(out, plan, self.encoder_outputs, self.kept_tokens)
         sample_ids = plan.sample_request_ids
         sampled: dict[str, int] = {}
         if sample_ids:
@@ -204,14 +208,17 @@ class ModelRunner:
     def release(self, out: SchedulerOutput) -> None:
         for h in out.free_encoder_hashes:
             self.encoder_outputs.pop(h, None)
+            self.kept_tokens.free(h)
         for rid in out.finished_request_ids:
             self.positions.drop(rid)
+            self.kept_tokens.forget(rid)
 
     def forget_request(self, request_id: str) -> None:
         """Called by the engine once a request has finished. Generators outlive preemption, so that a
         seeded request's draw sequence does not restart when it is recomputed."""
         self.generators.pop(request_id, None)
         self.positions.drop(request_id)
+        self.kept_tokens.forget(request_id)
 
     def _encode_images(self, out: SchedulerOutput) -> tuple[MMItem, ...]:
         """Encode the step's new images in one batched call; returns the items encoded."""
@@ -231,9 +238,9 @@ class ModelRunner:
                  if it.pixel_decoder is not None else it for it in items]
         encode = self.vision_graphs if self.vision_graphs is not None else self.model.encode_images
         for item, emb in zip(items, encode(items)):
-            if emb.shape[0] != item.num_tokens:
-                raise RuntimeError(f"vision tower gave {emb.shape[0]} embeddings for an image with "
-                                   f"{item.num_tokens} placeholders")
+            if emb.shape[0] != item.encoder_tokens:
+                raise RuntimeError(f"vision tower gave {emb.shape[0]} embeddings for an image of "
+                                   f"{item.encoder_tokens} tokens")
             self.encoder_outputs[item.mm_hash] = emb
         self.num_encoded_images += len(items)
         return encoded

@@ -56,7 +56,7 @@ class VisionGraphs:
 
     @staticmethod
     def key(items: list[MMItem]) -> tuple:
-        return tuple((tuple(torch.as_tensor(it.pixel_values).shape), it.layout, it.num_tokens) for it in items)
+        return tuple((tuple(torch.as_tensor(it.pixel_values).shape), it.layout, it.encoder_tokens) for it in items)
 
     def __call__(self, items: list[MMItem]) -> list[torch.Tensor]:
         key = self.key(items)

@@ -177,7 +177,9 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = Field(None, description="not supported")
     tool_choice: Any = None
-    mm_processor_kwargs: dict[str, int] | None = Field(None, description="e.g. min_pixels / max_pixels (Qwen)")
+    mm_processor_kwargs: dict[str, Any] | None = Field(
+        None, description="min_pixels / max_pixels (Qwen), mm_token_pruning / mm_token_keep_ratio (visual-token "
+                          "pruning); the engine checks each value (a bad one is a 400 naming it)")
 
     def check(self) -> None:
         self.common_checks()

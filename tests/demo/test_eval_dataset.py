@@ -127,6 +127,17 @@ def test_a_line_refused_at_run_time_is_counted_wrong_and_the_rest_evaluated(scen
     assert "line 2:" in format_errors(result)
 
 
+def test_the_result_counts_the_image_tokens_pruning_kept(scenes_dir, llm) -> None:
+    folder, rows = scenes_dir
+    examples = load_eval_dataset(_write(folder / "pruned.jsonl", rows[:3]))
+    full = evaluate_dataset(llm, examples, "pruned.jsonl", max_tokens=4)
+    pruned_llm = LLM(device="cpu", kv_cache_tokens=4096, mm_token_pruning="pool", mm_token_keep_ratio=0.25)
+    pruned = evaluate_dataset(pruned_llm, examples, "pruned.jsonl", max_tokens=4)
+    assert full["image_tokens"] == full["image_tokens_kept"] == pruned["image_tokens"] > 0
+    per_image = full["image_tokens"] // 3
+    assert pruned["image_tokens_kept"] == 3 * -(-per_image // 4)
+
+
 def test_the_cli_reports_a_prompt_too_long_for_the_engine_and_goes_on(scenes_dir, tmp_path, capsys) -> None:
     folder, rows = scenes_dir
     long_question = dict(rows[1], question="Please look closely. " * 40 + rows[1]["question"])

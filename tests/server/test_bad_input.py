@@ -111,6 +111,16 @@ CASES: list[tuple[str, str, Any, int, str]] = [
     ("completion-bool-token-ids", COMPLETIONS, {"model": MODEL, "prompt": [True, 2]}, 400, "not true"),
     ("completion-nested-bool-token-ids", COMPLETIONS, {"model": MODEL, "prompt": [[1, False]]}, 400, "integers"),
     ("stop-token-id-bool", CHAT, _chat(stop_token_ids=[True]), 400, "stop_token_ids"),
+    ("pruning-ratio-zero", CHAT, {**_img_chat(_OK_IMAGE), "mm_processor_kwargs": {"mm_token_keep_ratio": 0}}, 400,
+     "mm_token_keep_ratio must be in (0, 1]"),
+    ("pruning-ratio-above-one", CHAT, _chat(mm_processor_kwargs={"mm_token_keep_ratio": 1.5}), 400,
+     "mm_token_keep_ratio must be in (0, 1]"),
+    ("pruning-ratio-string", CHAT, {**_img_chat(_OK_IMAGE), "mm_processor_kwargs": {"mm_token_keep_ratio": "abc"}},
+     400, "mm_token_keep_ratio must be a number"),
+    ("pruning-unknown-strategy", CHAT, _chat(mm_processor_kwargs={"mm_token_pruning": "fastv"}), 400,
+     "unknown visual-token pruning strategy"),
+    ("pruning-dedup-not-run", CHAT, {**_img_chat(_OK_IMAGE), "mm_processor_kwargs": {"mm_token_pruning": "dedup"}},
+     400, "not run by the engine yet"),
 ]
 
 
@@ -241,3 +251,16 @@ def test_limit_mm_per_prompt_refuses_nonsense(spec: str) -> None:
 
     with pytest.raises(ValueError, match="limit-mm-per-prompt"):
         parse_limit_mm_per_prompt(spec)
+
+
+def test_pruned_request_is_served_after_bad_pruning_settings(live: LiveServer) -> None:
+    for case in CASES:
+        if case[0].startswith("pruning-"):
+            _assert_error(_post(live, case[1], case[2]), case[3], case[4])
+    before = live.engine.engine.stats()["image_tokens_kept"]
+    body = {**_img_chat(_OK_IMAGE), "mm_processor_kwargs": {"mm_token_pruning": "pool", "mm_token_keep_ratio": 0.5}}
+    r = _post(live, CHAT, body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    live.wait_idle()
+    # The 56x56 picture is a 2 x 2 merged grid on the tiny model: half of it is 2 tokens.
+    assert live.engine.engine.stats()["image_tokens_kept"] - before == 2

@@ -62,7 +62,7 @@ class LlavaFamily(ModelFamily):
                 "preprocessor_config.json (or processor_config.json's image_processor)")
 
     def vision_patches(self, item: MMItem) -> int:
-        return item.num_tokens + 1  # with the CLS token the tower runs
+        return item.encoder_tokens + 1  # with the CLS token the tower runs
 
     def baseline_image_inputs(self, items: list[MMItem], input_ids: torch.Tensor, attention_mask: torch.Tensor,
                               image_token_id: int, device: str) -> dict[str, torch.Tensor]:

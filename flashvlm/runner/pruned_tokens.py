@@ -1,0 +1,86 @@
+"""The runner's side of visual-token pruning: which of a pruned image's embeddings enter the prompt, and the
+positions of those that do.
+
+The encoder outputs hold every image's full embeddings by mm_hash, so settings that differ share the vision
+tower's work. A pruned item's kept indices are chosen once per (mm_hash, setting) from those full embeddings,
+when a scheduled chunk first reaches the item's placeholders, and dropped with the encoder output. A request's
+prompt positions are computed at its first step, possibly before its images are encoded (chunked prefill): the
+text positions do not depend on the kept tokens, and the image spans are rewritten here once their indices are
+known, before the step's inputs are built. Both the splice and the positions read the same indices, so the
+eager path and the CUDA-graph paths (which take the spliced embeddings and the positions as inputs) agree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from flashvlm.engine.sched_output import SchedulerOutput
+from flashvlm.models.interfaces import VLModel
+from flashvlm.request import MMItem, Request
+from flashvlm.runner.inputs import PositionStore
+
+
+class KeptTokens:
+    """Kept indices by (mm_hash, setting key), on the device for the splice and on the host for the positions,
+    and which indices each request's stored positions were built from."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, dict[str, tuple[torch.Tensor, np.ndarray]]] = {}
+        self._positioned: dict[str, dict[int, np.ndarray]] = {}
+        """request id -> item index -> the host indices its stored positions hold."""
+        self.num_selections = 0
+        """Times a strategy chose an image's tokens (tests: once per image and setting)."""
+
+    def indices(self, item: MMItem, embeddings: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+        """The item's kept indices (device, host), chosen from its full `embeddings` on first use. The host copy
+        is the one sync a pruned image costs, once per image and setting."""
+        assert item.pruning is not None
+        by_setting = self._kept.setdefault(item.mm_hash, {})
+        found = by_setting.get(item.pruning.key)
+        if found is None:
+            chosen = item.pruning.select(embeddings)
+            if chosen.shape[0] != item.num_tokens:
+                raise RuntimeError(f"{item.pruning.strategy} kept {chosen.shape[0]} tokens of image {item.mm_hash}; "
+                                   f"its prompt holds {item.num_tokens} placeholders")
+            found = by_setting[item.pruning.key] = (chosen, chosen.cpu().numpy())
+            self.num_selections += 1
+        return found
+
+    def image_rows(self, item: MMItem, embeddings: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """The embeddings of the item's placeholders [start, stop) (indices within the item)."""
+        if item.pruning is None:
+            return embeddings[start:stop]
+        device_indices, _ = self.indices(item, embeddings)
+        return embeddings.index_select(0, device_indices[start:stop])
+
+    def place(self, out: SchedulerOutput, model: VLModel, positions: PositionStore,
+              encoder_outputs: dict[str, torch.Tensor]) -> None:
+        """Rewrite the positions of every scheduled request whose chunk reaches a pruned image whose kept
+        indices its positions do not hold yet (or hold from an encoding since freed and redone)."""
+        for s in out.scheduled:
+            req = s.request
+            if all(item.pruning is None for item in req.mm_items):
+                continue
+            placed = self._positioned.setdefault(req.request_id, {})
+            stale = False
+            for i, item in enumerate(req.mm_items):
+                if item.pruning is None or item.offset >= s.end or item.end <= s.start:
+                    continue
+                _, host = self.indices(item, encoder_outputs[item.mm_hash])
+                if placed.get(i) is not host:
+                    placed[i], stale = host, True
+            if stale:
+                self._store(req, model, positions, placed)
+
+    @staticmethod
+    def _store(req: Request, model: VLModel, positions: PositionStore, placed: dict[int, np.ndarray]) -> None:
+        pos, delta = model.prompt_positions(req.prompt_token_ids, req.mm_items, placed)
+        positions.put(req.request_id, pos, delta)
+
+    def free(self, mm_hash: str) -> None:
+        """The encoder output of `mm_hash` is gone: so are the indices chosen from it."""
+        self._kept.pop(mm_hash, None)
+
+    def forget(self, request_id: str) -> None:
+        self._positioned.pop(request_id, None)

@@ -1,0 +1,326 @@
+"""Visual-token pruning in the engine on tiny checkpoints (CPU, float32, greedy): the engine's pruned prompt against
+transformers run on inputs built by hand from its own vision embeddings, the full embeddings shared by two keep
+ratios of one image (but no KV), chunked prefill and preemption through pruned images, and bad settings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flashvlm import LLM, SamplingParams
+from flashvlm.config import ConfigError
+from flashvlm.pruning.base import TokenGrid
+from flashvlm.pruning.pool import pool_indices
+from flashvlm.request import InvalidRequestError
+from flashvlm.testing.tiny_checkpoints import build_llava, build_qwen2_vl
+
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+LLAVA_IMAGE = "<image>\n"
+BS = 8
+PREFIX = "Look at this picture very carefully, please: "  # more than one small chunk of text before the image
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("qwen_pruning")
+    build_qwen2_vl(path, seed=7)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def qwen25(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("qwen25_pruning")
+    build_qwen2_vl(path, qwen25=True, seed=7)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("llava_pruning")
+    build_llava(path, seed=7)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def served(qwen: str) -> LLM:
+    return _llm(qwen)
+
+
+def _llm(path: str, **kw) -> LLM:
+    kw.setdefault("kv_cache_tokens", 2048)
+    kw.setdefault("block_size", BS)
+    return LLM(path, device="cpu", dtype="float32", **kw)
+
+
+def _image(seed: int, w: int = 196, h: int = 224) -> np.ndarray:
+    """196x224: a (1, 16, 14) patch grid, 8 x 7 = 56 merged tokens on Qwen."""
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def _prompt(image: np.ndarray, text: str = " What is in it?", placeholder: str = QWEN_IMAGE, **pruning) -> dict:
+    prompt = {"prompt": PREFIX + placeholder + text, "images": [image]}
+    if pruning:
+        prompt["mm_processor_kwargs"] = pruning
+    return prompt
+
+
+def _greedy(n: int = 6) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def _run(llm: LLM, prompts: list[dict], params: SamplingParams | None = None) -> tuple[list, list[torch.Tensor]]:
+    """Outputs and the first-step logits of each."""
+    llm.engine.runner.record_logits = True
+    llm.engine.runner.recorded_logits.clear()
+    outs = llm.generate(prompts, params or _greedy())
+    return outs, [llm.engine.runner.recorded_logits[o.request_id][0] for o in outs]
+
+
+def _hand_mrope(length: int, offset: int, end: int, grid_hw: tuple[int, int], kept: np.ndarray) -> tuple[np.ndarray,
+                                                                                                          int]:
+    """(3, length) M-RoPE positions of one image's kept tokens, written out from the rule (not our code): text
+    counts up on all axes; the image's token at raster index k of an h x w grid sits at (base, base + k // w,
+    base + k % w); the text after it resumes at base + max(h, w) as after the whole image."""
+    h, w = grid_hw
+    pos = np.zeros((3, length), dtype=np.int64)
+    pos[:, :offset] = np.arange(offset)
+    pos[0, offset:end] = offset
+    pos[1, offset:end] = offset + kept // w
+    pos[2, offset:end] = offset + kept % w
+    resume = offset + max(h, w)
+    pos[:, end:] = resume + np.arange(length - end)
+    return pos, resume + length - end - length
+
+
+class _Transformers:
+    """The transformers model of a checkpoint, run on hand-built inputs_embeds and position_ids."""
+
+    def __init__(self, cls: type, path: str) -> None:
+        self.model = cls.from_pretrained(path, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def generate(self, embeds: torch.Tensor, positions: np.ndarray, delta: int, steps: int,
+                 axes: int) -> tuple[list[int], torch.Tensor]:
+        """Greedy tokens (full recompute each step) and the first step's logits."""
+        embed = self.model.get_input_embeddings()
+        pos = torch.from_numpy(positions).view(axes, 1, -1) if axes == 3 else torch.from_numpy(positions)[None]
+        tokens, first = [], None
+        for _ in range(steps):
+            logits = self.model(inputs_embeds=embeds[None], position_ids=pos).logits[0, -1]
+            first = logits if first is None else first
+            token = int(logits.argmax())
+            tokens.append(token)
+            nxt = torch.tensor([embeds.shape[0] + delta]).view(*([1] * (pos.dim() - 1)), 1)
+            pos = torch.cat([pos, nxt.expand(*pos.shape[:-1], 1)], dim=-1)
+            embeds = torch.cat([embeds, embed(torch.tensor([token]))])
+        return tokens, first
+
+
+@pytest.mark.parametrize("variant", ["qwen2_vl", "qwen2_5_vl"])
+@torch.inference_mode()
+def test_pool_matches_transformers_on_hand_built_inputs(variant: str, request) -> None:
+    import transformers
+
+    qwen = request.getfixturevalue("qwen" if variant == "qwen2_vl" else "qwen25")
+    cls = (transformers.Qwen2VLForConditionalGeneration if variant == "qwen2_vl"
+           else transformers.Qwen2_5_VLForConditionalGeneration)
+    llm = _llm(qwen, mm_token_pruning="pool", mm_token_keep_ratio=0.5)
+    prompt = _prompt(_image(1))
+    processed = llm.engine.process_prompt(prompt)
+    item = processed.mm_items[0]
+    assert item.pruning is not None and item.pruning.grid == TokenGrid(1, 8, 7)
+    assert item.encoder_tokens == 56 and item.num_tokens == 28 and item.end - item.offset == 28
+    (out,), (ours_logits,) = _run(llm, [prompt])
+    assert out.num_image_tokens == 56 and out.num_image_tokens_kept == 28
+
+    hf = _Transformers(cls, qwen)
+    feats = hf.model.model.get_image_features(item.model_pixels(), torch.tensor([item.layout])).pooler_output[0]
+    kept = pool_indices(TokenGrid(1, 8, 7), 28).numpy()
+    ids = torch.tensor(processed.prompt_token_ids)
+    embeds = hf.model.get_input_embeddings()(ids)
+    embeds[item.offset:item.end] = feats[torch.from_numpy(kept)]
+    positions, delta = _hand_mrope(len(ids), item.offset, item.end, (8, 7), kept)
+    tokens, hf_logits = hf.generate(embeds, positions, delta, 6, axes=3)
+    assert out.token_ids == tokens
+    assert (ours_logits - hf_logits).abs().max().item() <= 1e-4
+
+
+@torch.inference_mode()
+def test_hand_built_positions_are_transformers_own_when_nothing_is_pruned(qwen: str) -> None:
+    """The reference above is only as good as `_hand_mrope`: unpruned, it must give what transformers computes
+    from the image grid itself."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    llm = _llm(qwen)
+    processed = llm.engine.process_prompt(_prompt(_image(1)))
+    item = processed.mm_items[0]
+    assert item.pruning is None and item.num_tokens == 56
+    hf = _Transformers(Qwen2VLForConditionalGeneration, qwen)
+    ids = torch.tensor([processed.prompt_token_ids])
+    own = hf.model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=item.model_pixels(),
+                   image_grid_thw=torch.tensor([item.layout]),
+                   mm_token_type_ids=(ids == llm.engine.model.image_token_id).long()).logits[0, -1]
+    feats = hf.model.model.get_image_features(item.model_pixels(), torch.tensor([item.layout])).pooler_output[0]
+    embeds = hf.model.get_input_embeddings()(ids[0])
+    embeds[item.offset:item.end] = feats
+    positions, delta = _hand_mrope(ids.shape[1], item.offset, item.end, (8, 7), np.arange(56))
+    _, hand = hf.generate(embeds, positions, delta, 1, axes=3)
+    assert (own - hand).abs().max().item() <= 1e-5
+
+
+@torch.inference_mode()
+def test_llava_divprune_matches_transformers_on_hand_built_inputs(llava: str) -> None:
+    """LLaVA's plain RoPE: kept tokens keep their own positions (offset + index), the text after the image sits
+    where it would after all of it."""
+    from transformers import LlavaForConditionalGeneration
+
+    from flashvlm.pruning.divprune import DivPruneStrategy
+
+    llm = _llm(llava)
+    prompt = _prompt(_image(2), placeholder=LLAVA_IMAGE, mm_token_pruning="divprune", mm_token_keep_ratio=0.5)
+    processed = llm.engine.process_prompt(prompt)
+    item = processed.mm_items[0]
+    grid = item.pruning.grid
+    assert grid.t == 1 and grid.num_tokens == item.encoder_tokens and item.num_tokens == -(-grid.num_tokens // 2)
+    (out,), (ours_logits,) = _run(llm, [prompt])
+
+    hf = _Transformers(LlavaForConditionalGeneration, llava)
+    feats = hf.model.model.get_image_features(item.pixel_values[None]).pooler_output[0]
+    kept = DivPruneStrategy().select(feats, grid, 0.5)
+    ids = torch.tensor(processed.prompt_token_ids)
+    embeds = hf.model.get_input_embeddings()(ids)
+    embeds[item.offset:item.end] = feats[kept]
+    dropped = grid.num_tokens - item.num_tokens
+    positions = np.arange(len(ids), dtype=np.int64)
+    positions[item.offset:item.end] = item.offset + kept.numpy()
+    positions[item.end:] += dropped
+    tokens, hf_logits = hf.generate(embeds, positions, dropped, 6, axes=1)
+    assert out.token_ids == tokens
+    assert (ours_logits - hf_logits).abs().max().item() <= 1e-4
+
+
+def test_memory_profile_counts_the_images_a_pruned_step_holds(llava: str) -> None:
+    full = _llm(llava).engine.input_processor.profile_items(budget_tokens=100)
+    pruned = _llm(llava, mm_token_pruning="pool", mm_token_keep_ratio=0.25).engine.input_processor
+    assert len(full) == 100 // 16 and len(pruned.profile_items(budget_tokens=100)) == 100 // 4
+    assert all(item.pruning is None and item.num_tokens == 16 for item in full)
+
+
+def test_image_tokens_that_form_no_grid_are_not_pruned(llava: str) -> None:
+    """LLaVA keeping the CLS token (vision_feature_select_strategy 'full'): a pruned request is refused, an engine
+    pruning by default does not start, unpruned requests run."""
+    full_cls = {"vision_feature_select_strategy": "full"}
+    with pytest.raises(ConfigError, match="form no grid"):
+        _llm(llava, hf_overrides=full_cls, mm_token_pruning="pool")
+    llm = _llm(llava, hf_overrides=full_cls)
+    with pytest.raises(InvalidRequestError, match="form no grid"):
+        llm.generate([_prompt(_image(8), placeholder=LLAVA_IMAGE, mm_token_pruning="pool")], _greedy(2))
+    out = llm.generate([_prompt(_image(8), placeholder=LLAVA_IMAGE)], _greedy(2))[0]
+    assert out.num_image_tokens == out.num_image_tokens_kept == 17
+
+
+def _count_encoder_calls(llm: LLM) -> list[int]:
+    calls: list[int] = []
+    model = llm.engine.model
+    original = model.encode_images
+
+    def counted(items):
+        calls.append(len(items))
+        return original(items)
+
+    model.encode_images = counted
+    return calls
+
+
+def test_two_keep_ratios_share_the_vision_work_but_no_kv(qwen: str) -> None:
+    image = _image(3)
+    half, quarter = _prompt(image, mm_token_pruning="pool", mm_token_keep_ratio=0.5), \
+        _prompt(image, mm_token_pruning="divprune", mm_token_keep_ratio=0.25)
+    alone = [_run(_llm(qwen, enable_prefix_caching=False, encoder_cache_tokens=0), [p]) for p in (half, quarter)]
+    llm = _llm(qwen)
+    calls = _count_encoder_calls(llm)
+    outs, logits = _run(llm, [half, quarter])
+    assert calls == [1], "one image in two settings runs the vision tower once"
+    assert llm.engine.runner.kept_tokens.num_selections == 2
+    for (want_outs, want_logits), got, got_logits in zip(alone, outs, logits):
+        assert got.token_ids == want_outs[0].token_ids
+        assert (got_logits - want_logits[0]).abs().max().item() <= 1e-5  # a batch of two: other GEMM shapes
+    # Sequentially: the other setting shares only the text blocks before the image, the same setting all of it.
+    offset = llm.engine.process_prompt(half).mm_items[0].offset
+    again_other, _ = _run(llm, [_prompt(image, mm_token_pruning="pool", mm_token_keep_ratio=0.25)])
+    assert 0 < again_other[0].num_cached_tokens <= offset
+    again_same, _ = _run(llm, [half])
+    assert again_same[0].num_cached_tokens > offset and again_same[0].token_ids == outs[0].token_ids
+    unpruned, _ = _run(llm, [_prompt(image)])
+    assert unpruned[0].num_cached_tokens <= offset
+    assert calls == [1] and llm.engine.stats()["images_encoded"] == 1
+    stats = llm.engine.stats()
+    assert stats["image_tokens"] == 5 * 56 and stats["image_tokens_kept"] == 28 + 14 + 14 + 28 + 56
+
+
+def test_chunked_prefill_through_pruned_images_equals_unchunked(qwen: str) -> None:
+    prompts = [
+        {"prompt": PREFIX + QWEN_IMAGE + " and " + QWEN_IMAGE + " compare them.", "images": [_image(4), _image(5)],
+         "mm_processor_kwargs": {"mm_token_pruning": "divprune", "mm_token_keep_ratio": 0.3}},
+        _prompt(_image(4), mm_token_pruning="pool", mm_token_keep_ratio=0.5),
+        _prompt(_image(6), " short."),
+    ]
+    whole, whole_logits = _run(_llm(qwen, max_num_batched_tokens=512), prompts)
+    chunked_llm = _llm(qwen, max_num_batched_tokens=5)
+    chunked, chunked_logits = _run(chunked_llm, prompts)
+    assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
+    for a, b in zip(chunked_logits, whole_logits):
+        assert (a - b).abs().max().item() <= 1e-4
+    assert [o.num_image_tokens_kept for o in whole] == [2 * 17, 28, 56]
+
+
+def test_preemption_and_recompute_keep_pruned_outputs(qwen: str) -> None:
+    prompts = [_prompt(_image(10 + i), f" Question {i}?", mm_token_pruning=("pool", "divprune")[i % 2],
+                       mm_token_keep_ratio=0.25) for i in range(6)]
+    roomy, roomy_logits = _run(_llm(qwen), prompts, _greedy(24))
+    # 12 blocks of 8 tokens: one request fits (about 40 prompt tokens + 24), three growing together do not. No
+    # encoder cache: a preempted request's image is encoded again, its tokens chosen again and placed again.
+    tight_llm = _llm(qwen, kv_cache_tokens=96, max_num_batched_tokens=64, encoder_cache_tokens=0)
+    tight, tight_logits = _run(tight_llm, prompts, _greedy(24))
+    assert tight_llm.engine.scheduler.num_preemptions_total > 0
+    assert tight_llm.engine.runner.kept_tokens.num_selections > len(prompts)
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+    for a, b in zip(tight_logits, roomy_logits):
+        assert (a - b).abs().max().item() <= 1e-4
+    bm = tight_llm.engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"mm_token_keep_ratio": 0}, "(0, 1]"),
+    ({"mm_token_keep_ratio": 1.5}, "(0, 1]"),
+    ({"mm_token_keep_ratio": "abc"}, "must be a number"),
+    ({"mm_token_keep_ratio": True}, "must be a number"),
+    ({"mm_token_pruning": "fastv"}, "unknown visual-token pruning strategy"),
+    ({"mm_token_pruning": "dedup"}, "not run by the engine yet"),
+    ({"mm_token_pruning": ["pool"]}, "unknown visual-token pruning strategy"),
+])
+def test_bad_pruning_settings_are_clear_errors_and_the_engine_serves_on(served: LLM, kwargs: dict,
+                                                                       needle: str) -> None:
+    llm = served
+    with pytest.raises(InvalidRequestError) as err:
+        llm.generate([_prompt(_image(20), **kwargs)], _greedy(2))
+    assert needle in str(err.value)
+    with pytest.raises(InvalidRequestError):
+        llm.chat([{"role": "user", "content": "hi"}], _greedy(2), mm_processor_kwargs=kwargs)
+    out = llm.generate([_prompt(_image(20), mm_token_pruning="pool")], _greedy(2))[0]
+    assert len(out.token_ids) == 2 and out.num_image_tokens_kept == 14
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(("option", "value", "needle"), [
+    ("mm_token_pruning", "dedup", "not run by the engine yet"),
+    ("mm_token_pruning", "fastv", "unknown visual-token pruning strategy"),
+    ("mm_token_keep_ratio", 0.0, "mm_token_keep_ratio must be in (0, 1]"),
+    ("mm_token_keep_ratio", "abc", "mm_token_keep_ratio must be a number"),
+])
+def test_bad_engine_pruning_options_refused_before_loading(option: str, value, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        LLM("/nonexistent/checkpoint", device="cpu", **{option: value})
+    assert needle in str(err.value)
