@@ -148,6 +148,10 @@ def summarize(result: ScenarioResult, goodput_slos: Mapping[str, float] | None =
     }
     if result.steps:
         summary["step_timeline"] = summarize_steps(result.steps, duration)
+    counted = [r for r in ok if r.image_tokens is not None]
+    if counted:  # what visual-token pruning left of the images
+        total, kept = sum(r.image_tokens for r in counted), sum(r.image_tokens_kept or 0 for r in counted)
+        summary["image_tokens"] = {"total": total, "kept": kept, "kept_fraction": kept / total if total else None}
     result.summary = summary
     return summary
 

@@ -59,6 +59,10 @@ class RequestRecord:
     image_patches: list[int] = field(default_factory=list)
     """Patches the vision tower runs for each of the request's images, as our processor resized them (the
     workload floor's vision FLOPs); empty where the system does not say."""
+    image_tokens: int | None = None
+    """The prompt's image tokens as the vision tower yields them; None where the system does not say."""
+    image_tokens_kept: int | None = None
+    """Of those, the tokens the language model saw (fewer with visual-token pruning)."""
 
     @property
     def tpot(self) -> float | None:

@@ -58,6 +58,7 @@ class _Tracker:
                 rec.e2e = now - rec.start_time
                 rec.prompt_tokens = len(out.prompt_token_ids)
                 rec.stages = dict(out.stages)
+                rec.image_tokens, rec.image_tokens_kept = out.num_image_tokens, out.num_image_tokens_kept
                 rec.success = out.finish_reason in ("stop", "length")
                 if not rec.success:
                     rec.error = f"finished with {out.finish_reason}"

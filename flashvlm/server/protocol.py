@@ -299,6 +299,10 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, defaults:
 # ---- responses ---------------------------------------------------------------------------------
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
+    image_tokens: int = 0
+    """The prompt's image tokens as the vision tower yields them."""
+    image_tokens_kept: int = 0
+    """Of those, the tokens the model read (fewer with mm_token_pruning)."""
 
 
 class UsageInfo(BaseModel):
@@ -308,10 +312,11 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
-def usage(num_prompt: int, num_completion: int, num_cached: int) -> UsageInfo:
+def usage(num_prompt: int, num_completion: int, num_cached: int, num_image: int = 0,
+          num_image_kept: int = 0) -> UsageInfo:
+    details = PromptTokensDetails(cached_tokens=num_cached, image_tokens=num_image, image_tokens_kept=num_image_kept)
     return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                     total_tokens=num_prompt + num_completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached))
+                     total_tokens=num_prompt + num_completion, prompt_tokens_details=details)
 
 
 class AssistantMessage(BaseModel):

@@ -356,7 +356,8 @@ def _finish_reason(out: RequestOutput) -> str:
 
 
 def _usage(out: RequestOutput) -> UsageInfo:
-    return usage(len(out.prompt_token_ids), len(out.token_ids), getattr(out, "num_cached_tokens", 0) or 0)
+    return usage(len(out.prompt_token_ids), len(out.token_ids), getattr(out, "num_cached_tokens", 0) or 0,
+                 getattr(out, "num_image_tokens", 0), getattr(out, "num_image_tokens_kept", 0))
 
 
 async def _wait_disconnect(raw: Request) -> None:

@@ -50,11 +50,17 @@ def test_throughput_and_sweep(tmp_path) -> None:
     assert 0 < floors["achieved_throughput_fraction"] < 1 and "prefill_floor_ms" not in floors
     assert run["summary"]["step_timeline"]["num_steps"] == len(run["steps"])
     assert (tmp_path / "t" / "plots" / "step_timeline.png").is_file()
-    configs = json.dumps([{"name": "budget-2048"}, {"name": "budget-32", "max_num_batched_tokens": 32}])
+    configs = json.dumps([{"name": "budget-2048"}, {"name": "budget-32", "max_num_batched_tokens": 32},
+                          {"name": "pool-half", "mm_token_pruning": "pool", "mm_token_keep_ratio": 0.5}])
     doc = _run(["sweep", "--configs", configs, *SMALL], tmp_path / "s")
-    assert [r["label"] for r in doc["runs"]] == ["budget-2048", "budget-32"]
+    assert [r["label"] for r in doc["runs"]] == ["budget-2048", "budget-32", "pool-half"]
     assert doc["runs"][1]["config"]["scheduler"]["max_num_batched_tokens"] == 32
     assert doc["runs"][1]["summary"]["ratios"]["output_throughput"] is not None
+    # Each record says how many image tokens the model read: all of them unpruned, half (rounded up) with pool.
+    full, pruned = doc["runs"][0], doc["runs"][2]
+    assert all(r["image_tokens_kept"] == r["image_tokens"] > 0 for r in full["records"])
+    assert all(r["image_tokens_kept"] == -(-r["image_tokens"] // 2) for r in pruned["records"])
+    assert pruned["summary"]["image_tokens"]["kept"] < full["summary"]["image_tokens"]["total"]
 
 
 def test_serve_against_openai_streaming_server(tmp_path) -> None:

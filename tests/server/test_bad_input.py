@@ -264,3 +264,5 @@ def test_pruned_request_is_served_after_bad_pruning_settings(live: LiveServer) -
     live.wait_idle()
     # The 56x56 picture is a 2 x 2 merged grid on the tiny model: half of it is 2 tokens.
     assert live.engine.engine.stats()["image_tokens_kept"] - before == 2
+    details = r.json()["usage"]["prompt_tokens_details"]
+    assert (details["image_tokens"], details["image_tokens_kept"]) == (4, 2)
