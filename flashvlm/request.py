@@ -23,6 +23,9 @@ already at 1e-5 a logit gap of 1e-3 is a factor e^-100 in probability, so sampli
 near-exact ties: nothing is lost by switching to argmax, and 1e-5 leaves logits up to ~1e33 finite. The same
 cut-off as the server's request parsing (and vLLM's)."""
 
+MAX_LOGPROBS = 20
+"""Most top log-probabilities one request may ask for per token (OpenAI's top_logprobs bound, vLLM's default)."""
+
 
 @dataclass
 class SamplingParams:
@@ -40,6 +43,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
+    """Return, for every output token, its log-probability and those of the `logprobs` most likely tokens
+    (0: the sampled token's only); None: no log-probabilities. Taken from the model's raw logits, before
+    repetition penalty, temperature and the top-k/p filters, as vLLM does."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +82,9 @@ class SamplingParams:
             raise bad("stop must be a list of non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative integers")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
 
 @dataclass
@@ -196,6 +206,18 @@ class Request:
         return self.status.finished
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities (natural log, float32 log-softmax of the raw logits) at one output position."""
+
+    token_id: int
+    """The token sampled there."""
+    logprob: float
+    """Its log-probability."""
+    top: tuple[tuple[int, float], ...] = ()
+    """The SamplingParams.logprobs most likely (token id, log-probability) pairs, most likely first."""
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -215,6 +237,8 @@ class RequestOutput:
     """Image tokens of the prompt as the vision tower yields them (before pruning)."""
     num_image_tokens_kept: int = 0
     """Of those, the tokens the language model saw (all of them unless pruned)."""
+    logprobs: list[TokenLogprobs] | None = None
+    """One entry per token of `token_ids` when SamplingParams.logprobs is set; None otherwise."""
 
     @property
     def finished(self) -> bool:

@@ -26,7 +26,14 @@ from flashvlm.models.loader import load_model, read_checkpoint, resolve_dtype
 from flashvlm.processing.input_processor import InputProcessor, ProcessedPrompt
 from flashvlm.quant.apply import quantization_summary
 from flashvlm.quant.plan import resolve_plan
-from flashvlm.request import InvalidRequestError, Request, RequestOutput, RequestStatus, SamplingParams
+from flashvlm.request import (
+    InvalidRequestError,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    TokenLogprobs,
+)
 from flashvlm.runner.kv_scales import checkpoint_kv_scheme
 from flashvlm.runner.memory_planner import PIXEL_CACHE_BYTES
 from flashvlm.runner.model_runner import ModelRunner, StepTimings
@@ -40,6 +47,8 @@ class _Tracked:
 
     request: Request
     detokenizer: IncrementalDetokenizer
+    logprobs: list[TokenLogprobs] | None = None
+    """One entry per output token when the request asks for log-probabilities (SamplingParams.logprobs)."""
 
 
 class Engine:
@@ -155,7 +164,7 @@ class Engine:
             raise InvalidRequestError(f"prompt of {n} tokens needs more KV cache than the engine has "
                                       f"({self.limits.num_kv_blocks - 1} blocks of {self.config.cache.block_size})")
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens, params.stop)
-        self._tracked[request_id] = _Tracked(req, detok)
+        self._tracked[request_id] = _Tracked(req, detok, [] if params.logprobs is not None else None)
         self._image_tokens[0] += sum(it.encoder_tokens for it in req.mm_items)
         self._image_tokens[1] += sum(it.num_tokens for it in req.mm_items)
         self.scheduler.add_request(req)
@@ -210,10 +219,11 @@ class Engine:
         # An empty step still goes through update(): it reports requests the scheduler ended itself.
         if out.is_empty:
             self.runner.release(out)
-            sampled, timings = {}, StepTimings()
+            sampled, timings, logprobs = {}, StepTimings(), {}
         else:
             try:
                 sampled, timings = self.runner.execute(out), self.runner.last_timings
+                logprobs = self.runner.sampled_logprobs
             except BaseException:
                 self._forget_unmade_embeddings()
                 raise
@@ -229,6 +239,8 @@ class Engine:
             if tracked is None:
                 continue
             new_tokens = len(req.output_token_ids) - len(tracked.detokenizer.token_ids)
+            if tracked.logprobs is not None and new_tokens > 0:
+                tracked.logprobs.append(logprobs[req.request_id])  # a step gives a request one token
             if new_tokens > 0:
                 t_detok = time.perf_counter()
                 tracked.detokenizer.append(req.output_token_ids[-new_tokens:])
@@ -309,7 +321,8 @@ class Engine:
                              first_token_time=req.first_token_time, finish_time=req.finish_time,
                              num_cached_tokens=req.num_cached_tokens, stop_reason=req.stop_reason,
                              num_image_tokens=sum(it.encoder_tokens for it in req.mm_items),
-                             num_image_tokens_kept=sum(it.num_tokens for it in req.mm_items))
+                             num_image_tokens_kept=sum(it.num_tokens for it in req.mm_items),
+                             logprobs=None if tracked.logprobs is None else list(tracked.logprobs))
 
     def _finish_output(self, tracked: _Tracked) -> RequestOutput:
         t0 = time.perf_counter()

@@ -31,11 +31,12 @@ from flashvlm.runner.sampler import Sampler
 
 
 def pipeline_eligible(out: SchedulerOutput, batch: DecodeBatch) -> bool:
-    """Every row samples greedily, with nothing the sampler would change (repetition penalty, a min_tokens ban)."""
+    """Every row samples greedily, with nothing the sampler would change (repetition penalty, a min_tokens ban),
+    and no row asks for log-probabilities (the pipeline reads back only the graph's argmax)."""
     if len(batch.sample_rows) != batch.num_seqs:
         return False
     return all(Sampler.is_plain_argmax(s.request.sampling_params, len(s.request.output_token_ids))
-               for s in out.scheduled)
+               and s.request.sampling_params.logprobs is None for s in out.scheduled)
 
 
 @dataclass

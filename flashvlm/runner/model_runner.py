@@ -20,10 +20,11 @@ from flashvlm.attention.kv_quant import FP8_KV_DTYPE
 from flashvlm.config import EngineConfig
 from flashvlm.engine.sched_output import SchedulerOutput
 from flashvlm.models.interfaces import VLModel
-from flashvlm.request import MMItem, Request
+from flashvlm.request import MMItem, Request, TokenLogprobs
 from flashvlm.runner.executor import ExecutionPath, StepExecutor
 from flashvlm.runner.inputs import PositionStore
 from flashvlm.runner.kv_scales import CALIBRATION_TOKENS, calibration_amax, resolve_kv_scales
+from flashvlm.runner.logprobs import PendingLogprobs, gather_logprobs, read_back
 from flashvlm.runner.memory_planner import MemoryPlanner
 from flashvlm.runner.pruned_tokens import KeptTokens
 from flashvlm.runner.sampler import Sampler, SamplerInputs, make_generator
@@ -95,6 +96,8 @@ class ModelRunner:
         self.record_logits = False
         """Test hook: keep the logits of every sampled row in `recorded_logits`, by request id."""
         self.recorded_logits: dict[str, list[torch.Tensor]] = {}
+        self.sampled_logprobs: dict[str, TokenLogprobs] = {}
+        """The last execute()'s log-probabilities, by request id, for the sampled rows that asked for them."""
 
     # The executor's graphs, as the engine and tests reach them.
     graphs = _ExecutorAttribute("decode_graphs")
@@ -149,6 +152,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Run one scheduled step; returns the sampled token of each request that reached its end."""
         self.release(out)
+        self.sampled_logprobs = {}
         self._track_requests(out)
         encoded: tuple[MMItem, ...] = ()
         if out.encoder_inputs:
@@ -175,9 +179,10 @@ class ModelRunner:
         sample_ids = plan.sample_request_ids
         sampled: dict[str, int] = {}
         if sample_ids:
-            tokens = self._sample(out, sample_ids, logits)
+            tokens, logprobs = self._sample(out, sample_ids, logits)
             timer.stop()
-            sampled = dict(zip(sample_ids, tokens.tolist()))  # the step's one host sync
+            token_list, self.sampled_logprobs = read_back(tokens, logprobs)  # the step's one host sync
+            sampled = dict(zip(sample_ids, token_list))
         else:
             timer.stop()
             if self.device.type == "cuda":
@@ -197,13 +202,16 @@ class ModelRunner:
             if req.request_id not in self.generators:
                 self.generators[req.request_id] = make_generator(req.sampling_params.seed, self.device)
 
-    def _sample(self, out: SchedulerOutput, sample_ids: list[str], logits: torch.Tensor) -> torch.Tensor:
+    def _sample(self, out: SchedulerOutput, sample_ids: list[str],
+                logits: torch.Tensor) -> tuple[torch.Tensor, PendingLogprobs | None]:
+        """The sampled tokens (on the device) and, for the rows that ask, their raw logits' log-probabilities."""
         by_id = {s.request.request_id: s.request for s in out.scheduled}
         reqs = [by_id[r] for r in sample_ids]
         if self.record_logits:
             for r, row in zip(sample_ids, logits):
                 self.recorded_logits.setdefault(r, []).append(row.float().cpu())
-        return self.sampler(logits, SamplerInputs.for_requests(reqs, self.generators))
+        tokens = self.sampler(logits, SamplerInputs.for_requests(reqs, self.generators))
+        return tokens, gather_logprobs(logits, tokens, sample_ids, [r.sampling_params for r in reqs])
 
     def release(self, out: SchedulerOutput) -> None:
         for h in out.free_encoder_hashes:

@@ -96,3 +96,13 @@ def test_without_graphs_every_step_is_eager() -> None:
         assert plan.path is ExecutionPath.EAGER
         assert torch.equal(plan.inputs.attn_step.seq_lens,
                            torch.tensor([s.end for s in step[0].scheduled], dtype=torch.int32))
+
+
+def test_a_row_asking_for_logprobs_takes_the_decode_graph_not_the_lookahead() -> None:
+    # The lookahead reads back only the graph's argmax; the decode graph's logits go through the sampler, which
+    # also gives the asking rows' log-probabilities.
+    ex, pipeline = _executor()
+    out, positions = _step(2)
+    out.scheduled[1].request.sampling_params.logprobs = 2
+    plan = ex.plan(out, positions)
+    assert plan.path is ExecutionPath.DECODE_GRAPH and plan.batch.num_seqs == 2 and pipeline.drops == 1
