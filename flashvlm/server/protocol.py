@@ -1,9 +1,9 @@
-"""Wire format of the OpenAI-compatible API: request and response bodies (pydantic v2), errors, and the
-mapping from a request to `SamplingParams`.
+"""Wire format of the OpenAI-compatible API: request and response bodies (pydantic v2; errors in errors.py,
+log-probabilities in logprobs.py), and the mapping from a request to `SamplingParams`.
 
 Unknown request fields are accepted and ignored (the OpenAI client sends fields we have no use for, such as
-`store` or `metadata`); fields we recognise but cannot honour (`n` > 1, `logprobs`, non-zero presence or
-frequency penalties, `tools`, `logit_bias`, JSON `response_format`, `echo`, `suffix`) are refused with 400
+`store` or `metadata`); fields we recognise but cannot honour (`n` > 1, non-zero presence or frequency
+penalties, `tools`, `logit_bias`, JSON `response_format`, `echo`, `suffix`) are refused with 400
 rather than silently ignored, so a client never gets an answer computed differently from what it asked for.
 """
 
@@ -15,43 +15,15 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-from flashvlm.request import SamplingParams
+from flashvlm.request import MAX_LOGPROBS, SamplingParams
+from flashvlm.server.errors import APIError, ErrorInfo, ErrorResponse, bad_request  # noqa: F401 (re-exported)
+from flashvlm.server.logprobs import ChatLogprobs, CompletionLogprobs, check_num_logprobs
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # The detokenizer searches every stop string after every token, so a request's stop strings cost the whole batch;
 # these bounds are far beyond real use (OpenAI allows 4 strings) and keep that cost, and the stream holdback, small.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
-
-
-class APIError(Exception):
-    """An error answered as OpenAI's `{"error": {...}}` body with this HTTP status."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", param, code)
-
-
-# ---- errors ------------------------------------------------------------------------------------
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
 
 
 # ---- requests ----------------------------------------------------------------------------------
@@ -172,8 +144,9 @@ class _SamplingFields(_Request):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = Field(False, description="not supported")
-    top_logprobs: int | None = Field(None, description="not supported")
+    logprobs: bool = Field(False, description="return each output token's log-probability (raw logits)")
+    top_logprobs: int | None = Field(None, description=f"0..{MAX_LOGPROBS} most likely tokens per position; "
+                                                       "needs logprobs: true")
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = Field(None, description="not supported")
     tool_choice: Any = None
@@ -183,8 +156,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         self.common_checks()
-        if self.logprobs or self.top_logprobs:
-            raise bad_request("logprobs are not supported", "logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        check_num_logprobs(self.top_logprobs, "top_logprobs")
         if self.tools:
             raise bad_request("tools (function calling) are not supported", "tools")
         if self.response_format is not None and self.response_format.type != "text":
@@ -193,6 +167,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def engine_messages(self) -> list[dict[str, Any]]:
         """Messages as the engine's chat processing takes them (developer = system, as OpenAI defines it)."""
@@ -215,7 +192,8 @@ class CompletionRequest(_SamplingFields):
     echo: bool = Field(False, description="not supported")
     suffix: str | None = Field(None, description="not supported")
     best_of: int | None = Field(None, description="only 1 is supported")
-    logprobs: int | None = Field(None, description="not supported")
+    logprobs: int | None = Field(None, description=f"0..{MAX_LOGPROBS}: each token's log-probability and those "
+                                                   "of the most likely tokens")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -230,14 +208,16 @@ class CompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         self.common_checks()
-        if self.logprobs is not None:
-            raise bad_request("logprobs are not supported", "logprobs")
+        check_num_logprobs(self.logprobs, "logprobs")
         if self.echo:
             raise bad_request("echo is not supported", "echo")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
             raise bad_request("best_of > 1 is not supported", "best_of")
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     def engine_prompt(self) -> dict[str, Any]:
         p = self.prompt
@@ -284,7 +264,8 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, defaults:
                        f"{num_prompt_tokens} and max_tokens asks for {max_tokens} more (at most {kv_room} fit)",
                        param="max_tokens", code="context_length_exceeded")
     fields: dict[str, Any] = {"max_tokens": max_tokens, "min_tokens": req.min_tokens, "ignore_eos": req.ignore_eos,
-                              "skip_special_tokens": req.skip_special_tokens, "seed": req.seed}
+                              "skip_special_tokens": req.skip_special_tokens, "seed": req.seed,
+                              "logprobs": req.requested_logprobs()}
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
         if value is not None:
@@ -327,7 +308,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     stop_reason: int | str | None = None
 
@@ -351,7 +332,7 @@ class ChatCompletionResponse(_CompletionObject):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -371,7 +352,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -21,9 +21,10 @@ from fastapi.responses import JSONResponse, Response
 from flashvlm.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
 from flashvlm.engine.scheduler import KV_CAPACITY_STOP_REASON
 from flashvlm.processing.input_processor import ProcessedPrompt
-from flashvlm.request import InvalidRequestError, RequestOutput, SamplingParams
+from flashvlm.request import InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
 from flashvlm.server import media
 from flashvlm.server.admission import QueueFullError
+from flashvlm.server.logprobs import LogprobsFormatter
 from flashvlm.server.protocol import (
     APIError,
     AssistantMessage,
@@ -41,6 +42,9 @@ from flashvlm.server.protocol import (
 from flashvlm.server.sse import SSEResponse
 
 logger = logging.getLogger("flashvlm.server")
+
+Logprobs = list[TokenLogprobs] | None
+"""The log-probabilities a stream event carries: its new tokens' (None when the request did not ask)."""
 
 
 @dataclass
@@ -81,6 +85,7 @@ class OpenAIServing:
         self.settings = settings
         self.metrics = metrics
         self.tracer = tracer
+        self.logprobs = LogprobsFormatter(engine.engine.tokenizer)
 
     # ---- endpoints ----------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -90,10 +95,11 @@ class OpenAIServing:
         final = await self._collect(st, raw)
         if final is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
+        logprobs = None if final.logprobs is None else self.logprobs.chat(final.logprobs)
         body = ChatCompletionResponse(
             id=f"chatcmpl-{st.base_id}", model=st.model,
-            choices=[ChatChoice(message=AssistantMessage(content=final.text), finish_reason=_finish_reason(final),
-                                stop_reason=final.stop_reason)],
+            choices=[ChatChoice(message=AssistantMessage(content=final.text), logprobs=logprobs,
+                                finish_reason=_finish_reason(final), stop_reason=final.stop_reason)],
             usage=_usage(final))
         return JSONResponse(body.model_dump())
 
@@ -104,9 +110,10 @@ class OpenAIServing:
         final = await self._collect(st, raw)
         if final is None:
             return Response(status_code=499)
+        logprobs = None if final.logprobs is None else self.logprobs.completion(final.logprobs)
         body = CompletionResponse(
             id=f"cmpl-{st.base_id}", model=st.model,
-            choices=[CompletionChoice(text=final.text, finish_reason=_finish_reason(final),
+            choices=[CompletionChoice(text=final.text, logprobs=logprobs, finish_reason=_finish_reason(final),
                                       stop_reason=final.stop_reason)],
             usage=_usage(final))
         return JSONResponse(body.model_dump())
@@ -250,14 +257,15 @@ class OpenAIServing:
         rid, created = f"chatcmpl-{st.base_id}", int(time.time())
         extra = {"usage": None} if st.include_usage else {}
 
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        def chunk(delta: dict[str, Any], finish: str | None = None, tokens: Logprobs = None) -> str:
+            logprobs = None if tokens is None else self.logprobs.chat(tokens)
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model,
                          "choices": [choice], **extra})
 
         yield chunk({"role": "assistant", "content": ""})
-        async for piece in self._deltas(st, lambda text: chunk({"content": text}),
-                                        lambda final: chunk({}, _finish_reason(final))):
+        async for piece in self._deltas(st, lambda text, tokens: chunk({"content": text}, None, tokens),
+                                        lambda final, tokens: chunk({}, _finish_reason(final), tokens)):
             yield piece
         if st.include_usage and st.final is not None:
             yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model,
@@ -268,25 +276,33 @@ class OpenAIServing:
         rid, created = f"cmpl-{st.base_id}", int(time.time())
         extra = {"usage": None} if st.include_usage else {}
 
-        def chunk(text: str, finish: str | None = None) -> str:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        text_offset = 0  # characters of the token texts sent so far, where the next chunk's offsets start
+
+        def chunk(text: str, finish: str | None = None, tokens: Logprobs = None) -> str:
+            nonlocal text_offset
+            logprobs = None if tokens is None else self.logprobs.completion(tokens, text_offset)
+            if logprobs is not None:
+                text_offset += LogprobsFormatter.text_length(logprobs)
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
             return _sse({"id": rid, "object": "text_completion", "created": created, "model": st.model,
                          "choices": [choice], **extra})
 
-        async for piece in self._deltas(st, chunk, lambda final: chunk("", _finish_reason(final))):
+        async for piece in self._deltas(st, lambda text, tokens: chunk(text, None, tokens),
+                                        lambda final, tokens: chunk("", _finish_reason(final), tokens)):
             yield piece
         if st.include_usage and st.final is not None:
             yield _sse({"id": rid, "object": "text_completion", "created": created, "model": st.model,
                         "choices": [], "usage": _usage(st.final).model_dump()})
         yield "data: [DONE]\n\n"
 
-    async def _deltas(self, st: _Started, content: Callable[[str], str],
-                      last: Callable[[RequestOutput], str]) -> AsyncIterator[str]:
-        """Text deltas as SSE events, then the finish event; an engine failure becomes an error event."""
+    async def _deltas(self, st: _Started, content: Callable[[str, Logprobs], str],
+                      last: Callable[[RequestOutput, Logprobs], str]) -> AsyncIterator[str]:
+        """Text deltas as SSE events, then the finish event; an engine failure becomes an error event. Each event
+        carries the log-probabilities of the tokens that arrived since the last one (None unless asked for)."""
         # The engine's cumulative text may still lose its tail to a stop string a later token completes;
         # holding back that many characters means nothing streamed is ever taken back.
         holdback = max((len(s) for s in st.params.stop), default=1) - 1
-        sent = 0
+        sent = sent_tokens = 0
         final: RequestOutput | None = None
         error: BaseException | None = None
         try:
@@ -295,12 +311,14 @@ class OpenAIServing:
                 text = out.text
                 end = len(text) if out.finished else max(sent, len(text) - holdback)
                 if end > sent:
-                    yield content(text[sent:end])
+                    tokens = None if out.logprobs is None else out.logprobs[sent_tokens:]
+                    sent_tokens = len(out.token_ids)
+                    yield content(text[sent:end], tokens)
                     sent = end
                 if out.finished:
                     final = out
             if final is not None:
-                yield last(final)
+                yield last(final, None if final.logprobs is None else final.logprobs[sent_tokens:] or None)
         except (EngineStepError, EngineDeadError) as e:
             error = e
             yield _sse({"error": {"message": str(e), "type": "server_error", "param": None,
