@@ -107,3 +107,20 @@ def test_gather_on_a_subset_of_rows() -> None:
         _check_against_logits([entries[rid]], [token_list[row]], [logits[row]], k)
     assert read_back(tokens, gather_logprobs(logits, tokens, list("abcd"), [SamplingParams()] * 4)) == (
         tokens.tolist(), {})
+
+
+def test_preempted_requests_keep_one_entry_per_token(tmp_path) -> None:
+    # A KV cache too small for the batch preempts and recomputes requests; their logprobs stay aligned with the
+    # tokens (the recompute's prefill samples the next token, not one already given).
+    path = build_qwen2_vl(tmp_path / "m", seed=5)
+    llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_tokens=160, block_size=16, max_model_len=128)
+    prompts = [f"Request number {i} asks for a long answer" for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    runner = llm.engine.runner
+    runner.record_logits = True
+    outs = llm.generate(prompts, params)
+    assert llm.engine.stats()["num_preemptions"] > 0
+    for out in outs:
+        _check_against_logits(out.logprobs, out.token_ids, runner.recorded_logits[out.request_id], 2)
+    plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert [o.token_ids for o in plain] == [o.token_ids for o in outs]
