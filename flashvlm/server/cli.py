@@ -20,6 +20,13 @@ POST /v1/chat/completions (text and image_url parts), POST /v1/completions, GET 
 Without --model the embedded demo model (docs/demo.md) is served. See docs/server.md."""
 
 
+_CONNECTION_FLAGS: tuple[tuple[str, type, float, str, str], ...] = (
+    ("--shutdown-timeout", float, limits.DEFAULT_SHUTDOWN_TIMEOUT_S, "SECONDS",
+     "on SIGTERM or SIGINT stop accepting, let running requests finish for up to this many seconds, abort the "
+     "rest and exit 0; 0 aborts at once"),
+)
+
+
 def build_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", description=_DESCRIPTION,
                        formatter_class=_Formatter)
@@ -39,6 +46,9 @@ def build_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--num-processing-threads", type=int, default=2,
                    help="threads for image decoding, preprocessing and tokenization, off the event loop "
                         "(default: %(default)s)")
+    c = p.add_argument_group("shutdown")
+    for flag, kind, default, metavar, text in _CONNECTION_FLAGS:
+        c.add_argument(flag, type=kind, default=default, metavar=metavar, help=f"{text} (default: %(default)s)")
     m = p.add_argument_group("images")
     m.add_argument("--limit-mm-per-prompt", default=f"image={limits.DEFAULT_LIMIT_IMAGES}", metavar="SPEC",
                    help="most images per prompt: image=4 or '{\"image\": 4}' (default: %(default)s)")
@@ -77,8 +87,6 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 def run(args: argparse.Namespace) -> int:
     require_extra("serve", "flashvlm serve")
-    import uvicorn
-
     from flashvlm.engine.async_engine import AsyncEngine
     from flashvlm.llm import LLM
     from flashvlm.models.default import DEFAULT_MODEL_NAME
@@ -86,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from flashvlm.server.admission import Admission
     from flashvlm.server.app import build_app
     from flashvlm.server.budget import adaptive_budget
+    from flashvlm.server.http_server import build_server
     from flashvlm.server.metrics import EngineMetrics
     from flashvlm.server.serving import ServerSettings
     from flashvlm.server.tiers import load_tiers
@@ -118,13 +127,14 @@ def run(args: argparse.Namespace) -> int:
     tracer = Tracer.create(args.otlp_traces_endpoint)
     settings = ServerSettings(served_model_names=names, model_path=args.model, media=policy, tiers=tiers,
                               api_key=args.api_key, disable_log_requests=args.disable_log_requests)
-    app = build_app(engine, settings, metrics, tracer)
-    logging.getLogger("flashvlm.server").setLevel(logging.WARNING if args.disable_log_requests else logging.INFO)
-    print(f"flashvlm serving {names[0]} on http://{args.host}:{args.port}/v1 (max_model_len {engine.max_model_len})",
-          file=sys.stderr)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                    timeout_graceful_shutdown=5)
+        app = build_app(engine, settings, metrics, tracer)
+        server = build_server(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                              shutdown_timeout_s=args.shutdown_timeout)
+        logging.getLogger("flashvlm.server").setLevel(logging.WARNING if args.disable_log_requests else logging.INFO)
+        print(f"flashvlm serving {names[0]} on http://{args.host}:{args.port}/v1 "
+              f"(max_model_len {engine.max_model_len})", file=sys.stderr)
+        server.run()
     finally:
         engine.shutdown()
         tracer.shutdown()

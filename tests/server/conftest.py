@@ -85,6 +85,7 @@ def image_message(text: str, *uris: str) -> list[dict[str, Any]]:
 
 def start_server(llm: LLM, media_dir: Path, *, max_waiting_requests: int = 256, with_metrics: bool = True,
                  tracer: Any = None) -> LiveServer:
+    from flashvlm.server.http_server import build_server
     from flashvlm.server.metrics import EngineMetrics
 
     tiers = load_tiers(None)
@@ -98,7 +99,7 @@ def start_server(llm: LLM, media_dir: Path, *, max_waiting_requests: int = 256, 
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, backlog=512))
+    server = build_server(app, log_level="warning", shutdown_timeout_s=2, backlog=512)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
