@@ -24,6 +24,14 @@ _CONNECTION_FLAGS: tuple[tuple[str, type, float, str, str], ...] = (
     ("--shutdown-timeout", float, limits.DEFAULT_SHUTDOWN_TIMEOUT_S, "SECONDS",
      "on SIGTERM or SIGINT stop accepting, let running requests finish for up to this many seconds, abort the "
      "rest and exit 0; 0 aborts at once"),
+    ("--header-read-timeout", float, limits.DEFAULT_HEADER_READ_TIMEOUT_S, "SECONDS",
+     "close a connection whose request line and headers have not all arrived this many seconds after it opened "
+     "or after its previous response"),
+    ("--body-read-timeout", float, limits.DEFAULT_BODY_READ_TIMEOUT_S, "SECONDS",
+     "answer 408 and close the connection when a request body sends no bytes for this many seconds"),
+    ("--max-body-bytes-in-flight", int, limits.DEFAULT_MAX_BODY_BYTES_IN_FLIGHT, "BYTES",
+     "request-body bytes held across all requests, from the first byte read until the request is answered; a "
+     "request past it gets 503 with Retry-After"),
 )
 
 
@@ -46,7 +54,7 @@ def build_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--num-processing-threads", type=int, default=2,
                    help="threads for image decoding, preprocessing and tokenization, off the event loop "
                         "(default: %(default)s)")
-    c = p.add_argument_group("shutdown")
+    c = p.add_argument_group("connections and shutdown")
     for flag, kind, default, metavar, text in _CONNECTION_FLAGS:
         c.add_argument(flag, type=kind, default=default, metavar=metavar, help=f"{text} (default: %(default)s)")
     m = p.add_argument_group("images")
@@ -126,11 +134,13 @@ def run(args: argparse.Namespace) -> int:
     metrics = EngineMetrics(names[0], tiers=tiers.names if tiers else ["default"], max_model_len=engine.max_model_len)
     tracer = Tracer.create(args.otlp_traces_endpoint)
     settings = ServerSettings(served_model_names=names, model_path=args.model, media=policy, tiers=tiers,
-                              api_key=args.api_key, disable_log_requests=args.disable_log_requests)
+                              api_key=args.api_key, disable_log_requests=args.disable_log_requests,
+                              body_read_timeout_s=args.body_read_timeout,
+                              max_body_bytes_in_flight=args.max_body_bytes_in_flight)
     try:
         app = build_app(engine, settings, metrics, tracer)
         server = build_server(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                              shutdown_timeout_s=args.shutdown_timeout)
+                              shutdown_timeout_s=args.shutdown_timeout, header_read_timeout_s=args.header_read_timeout)
         logging.getLogger("flashvlm.server").setLevel(logging.WARNING if args.disable_log_requests else logging.INFO)
         print(f"flashvlm serving {names[0]} on http://{args.host}:{args.port}/v1 "
               f"(max_model_len {engine.max_model_len})", file=sys.stderr)

@@ -1,7 +1,8 @@
-"""How `flashvlm serve` runs uvicorn: a graceful stop on SIGTERM and SIGINT.
+"""How `flashvlm serve` runs uvicorn: a graceful stop on SIGTERM and SIGINT, and a deadline on request heads.
 
 uvicorn on its own re-raises the signal that stopped it once the drain is over, so the process died of it
-(exit 143 on SIGTERM), and drops the connections of the requests its drain cut off; both are handled here.
+(exit 143 on SIGTERM), and it waits forever for the head of a request that a client sends slowly or never
+finishes; both are handled here.
 """
 
 from __future__ import annotations
@@ -17,12 +18,62 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
+import h11
 import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _SHUTTING_DOWN = {"message": "the server is shutting down; the request was aborted", "type": "service_unavailable",
                   "param": None, "code": "server_shutting_down"}
+
+
+class _HeadDeadlineProtocol(H11Protocol):
+    """uvicorn's h11 connection, closed when the head of a request (request line and headers) has not fully
+    arrived within `head_timeout_s` of the connection opening or of its previous response. The deadline is not
+    moved by the bytes that do arrive, so a client trickling a byte at a time is closed too."""
+
+    head_timeout_s: float = 10.0
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[arg-type]
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            self._cancel_head_timer()  # the head is complete: the body has its own timeout (the app's)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+def head_deadline_protocol(head_timeout_s: float) -> type[H11Protocol]:
+    """The connection class for uvicorn's `http` setting, with this head deadline."""
+    if head_timeout_s <= 0:
+        raise ValueError(f"--header-read-timeout must be positive, got {head_timeout_s}")
+    return type("HeadDeadlineProtocol", (_HeadDeadlineProtocol,), {"head_timeout_s": float(head_timeout_s)})
 
 
 class GracefulServer(uvicorn.Server):
@@ -97,10 +148,11 @@ async def _answer_cut_off(send: Send, started: bool, streaming: bool) -> None:
 
 
 def build_server(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
-                 shutdown_timeout_s: float = 10.0, **config: Any) -> GracefulServer:
+                 shutdown_timeout_s: float = 10.0, header_read_timeout_s: float = 10.0,
+                 **config: Any) -> GracefulServer:
     """The server `flashvlm serve` runs (`server.run()`, or `server.run(sockets=[...])` on a bound socket)."""
     if shutdown_timeout_s < 0:
         raise ValueError(f"--shutdown-timeout must be 0 or more seconds, got {shutdown_timeout_s}")
     return GracefulServer(uvicorn.Config(AnswerCutOffRequests(app), host=host, port=port, log_level=log_level,
                                          timeout_graceful_shutdown=shutdown_timeout_s,  # type: ignore[arg-type]
-                                         **config))
+                                         http=head_deadline_protocol(header_read_timeout_s), **config))
