@@ -22,6 +22,7 @@ from flashvlm import __version__
 from flashvlm.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
 from flashvlm.request import InvalidRequestError
 from flashvlm.server.admission import QueueFullError
+from flashvlm.server.body import BodyBudget, BodyReader, BodyRefused, replaying
 from flashvlm.server.protocol import (
     APIError,
     ChatCompletionChunk,
@@ -42,10 +43,11 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (401, "missing or wrong API key (--api-key)"),
         (403, "media source not allowed (local file outside --allowed-local-media-path)"),
         (404, "unknown model"),
+        (408, "the request body stalled (--body-read-timeout)"),
         (413, "request body too large"),
         (429, "too many requests waiting; retry after the Retry-After header's seconds"),
         (500, "the engine failed while running the request"),
-        (503, "the engine is not running"),
+        (503, "the engine is not running, or request bodies in flight are at --max-body-bytes-in-flight"),
     )}
 _STREAM_DOC = {"text/event-stream": {"schema": {"type": "string", "description": "data: <chunk JSON> events, "
                                                 "then data: [DONE]"}}}
@@ -66,7 +68,15 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: Any = None
     app.state.engine = engine
     _install_error_handlers(app)
     max_body = _max_body_bytes(settings)
-    app.add_middleware(_RequestIdAndLimits, api_key=settings.api_key, max_body_bytes=max_body)
+    if settings.body_read_timeout_s <= 0:
+        raise ValueError(f"--body-read-timeout must be positive, got {settings.body_read_timeout_s}")
+    if settings.max_body_bytes_in_flight < max_body:
+        raise ValueError(f"--max-body-bytes-in-flight {settings.max_body_bytes_in_flight} is below the largest "
+                         f"body one request may send ({max_body} bytes: every allowed image base64-encoded plus "
+                         f"16 MiB); raise it or lower --max-image-bytes / --limit-mm-per-prompt")
+    app.state.body_budget = BodyBudget(settings.max_body_bytes_in_flight)
+    app.add_middleware(_RequestIdAndLimits, api_key=settings.api_key, max_body_bytes=max_body,
+                       body_budget=app.state.body_budget, body_read_timeout_s=settings.body_read_timeout_s)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses={200: {"content": _STREAM_DOC, "model": ChatCompletionChunk}, **_ERRORS})
@@ -172,17 +182,16 @@ def _is_union_branch(part: object) -> bool:
                                                               "dict"))
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class _RequestIdAndLimits:
-    """Echo (or assign) `x-request-id`, refuse oversized bodies, check the API key."""
+    """Echo (or assign) `x-request-id`, check the API key, read the body within its bounds (flashvlm/server/body.py)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, body_budget: BodyBudget,
+                 body_read_timeout_s: float) -> None:
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.body_budget = body_budget
+        self.body_read_timeout_s = body_read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -197,54 +206,35 @@ class _RequestIdAndLimits:
                 MutableHeaders(scope=message).append("x-request-id", str(state["request_id"]))
             await send(message)
 
-        async def refuse(status: int, message: str, type: str, code: str) -> None:
-            await error_response(status, message, type, code=code)(scope, receive, send_with_id)
+        async def refuse(status: int, message: str, type: str, code: str, close: bool = False) -> None:
+            # A refused body is left unread; closing the connection drops whatever of it is still coming.
+            extra = {"Connection": "close"} if close else {}
+            if status == 503:
+                extra["Retry-After"] = "1"
+            await error_response(status, message, type, code=code, headers=extra)(scope, receive, send_with_id)
 
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
             # Answered before a byte of the body is read.
             await refuse(413, f"the body is {length} bytes; the limit is {self.max_body_bytes}",
-                         "invalid_request_error", "request_too_large")
+                         "invalid_request_error", "request_too_large", close=True)
             return
         if self.api_key is not None and scope["path"].startswith("/v1/"):
             given = headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 await refuse(401, "missing or invalid API key", "authentication_error", "invalid_api_key")
                 return
+        reader = BodyReader(self.body_budget, self.max_body_bytes, self.body_read_timeout_s)
         try:
-            replay = await self._read_body(receive)
-        except _BodyTooLarge:
-            await refuse(413, f"the body is larger than the limit of {self.max_body_bytes} bytes",
-                         "invalid_request_error", "request_too_large")
-            return
-        if replay is None:
-            return  # the client left before its body arrived: nobody to answer
-        await self.app(scope, replay, send_with_id)
-
-    async def _read_body(self, receive: Receive) -> Receive | None:
-        """Read the whole body, counting bytes as they arrive, so a chunked body (no Content-Length, or one that
-        lies) cannot grow past the limit; then hand the app a `receive` that gives it back in one message and
-        afterwards passes through (the handlers listen on it for the client's disconnect)."""
-        parts: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            part = message.get("body", b"")
-            size += len(part)
-            if size > self.max_body_bytes:
-                raise _BodyTooLarge
-            parts.append(part)
-            if not message.get("more_body", False):
-                break
-        pending: Message | None = {"type": "http.request", "body": b"".join(parts), "more_body": False}
-
-        async def replay() -> Message:
-            nonlocal pending
-            if pending is not None:
-                message, pending = pending, None
-                return message
-            return await receive()
-
-        return replay
+            try:
+                body = await reader.read(receive, int(length) if length.isdigit() else None)
+            except BodyRefused as e:
+                reader.release()
+                await refuse(e.status, str(e), "service_unavailable" if e.status == 503 else
+                             "invalid_request_error", e.code, close=True)
+                return
+            if body is None:
+                return  # the client left before its body arrived: nobody to answer
+            await self.app(scope, replaying(body, receive), send_with_id)
+        finally:
+            reader.release()

@@ -20,6 +20,21 @@ POST /v1/chat/completions (text and image_url parts), POST /v1/completions, GET 
 Without --model the embedded demo model (docs/demo.md) is served. See docs/server.md."""
 
 
+_CONNECTION_FLAGS: tuple[tuple[str, type, float, str, str], ...] = (
+    ("--shutdown-timeout", float, limits.DEFAULT_SHUTDOWN_TIMEOUT_S, "SECONDS",
+     "on SIGTERM or SIGINT stop accepting, let running requests finish for up to this many seconds, abort the "
+     "rest and exit 0; 0 aborts at once"),
+    ("--header-read-timeout", float, limits.DEFAULT_HEADER_READ_TIMEOUT_S, "SECONDS",
+     "close a connection whose request line and headers have not all arrived this many seconds after it opened "
+     "or after its previous response"),
+    ("--body-read-timeout", float, limits.DEFAULT_BODY_READ_TIMEOUT_S, "SECONDS",
+     "answer 408 and close the connection when a request body sends no bytes for this many seconds"),
+    ("--max-body-bytes-in-flight", int, limits.DEFAULT_MAX_BODY_BYTES_IN_FLIGHT, "BYTES",
+     "request-body bytes held across all requests, from the first byte read until the request is answered; a "
+     "request past it gets 503 with Retry-After"),
+)
+
+
 def build_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", description=_DESCRIPTION,
                        formatter_class=_Formatter)
@@ -39,6 +54,9 @@ def build_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--num-processing-threads", type=int, default=2,
                    help="threads for image decoding, preprocessing and tokenization, off the event loop "
                         "(default: %(default)s)")
+    c = p.add_argument_group("connections and shutdown")
+    for flag, kind, default, metavar, text in _CONNECTION_FLAGS:
+        c.add_argument(flag, type=kind, default=default, metavar=metavar, help=f"{text} (default: %(default)s)")
     m = p.add_argument_group("images")
     m.add_argument("--limit-mm-per-prompt", default=f"image={limits.DEFAULT_LIMIT_IMAGES}", metavar="SPEC",
                    help="most images per prompt: image=4 or '{\"image\": 4}' (default: %(default)s)")
@@ -77,8 +95,6 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 def run(args: argparse.Namespace) -> int:
     require_extra("serve", "flashvlm serve")
-    import uvicorn
-
     from flashvlm.engine.async_engine import AsyncEngine
     from flashvlm.llm import LLM
     from flashvlm.models.default import DEFAULT_MODEL_NAME
@@ -86,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     from flashvlm.server.admission import Admission
     from flashvlm.server.app import build_app
     from flashvlm.server.budget import adaptive_budget
+    from flashvlm.server.http_server import build_server
     from flashvlm.server.metrics import EngineMetrics
     from flashvlm.server.serving import ServerSettings
     from flashvlm.server.tiers import load_tiers
@@ -117,14 +134,17 @@ def run(args: argparse.Namespace) -> int:
     metrics = EngineMetrics(names[0], tiers=tiers.names if tiers else ["default"], max_model_len=engine.max_model_len)
     tracer = Tracer.create(args.otlp_traces_endpoint)
     settings = ServerSettings(served_model_names=names, model_path=args.model, media=policy, tiers=tiers,
-                              api_key=args.api_key, disable_log_requests=args.disable_log_requests)
-    app = build_app(engine, settings, metrics, tracer)
-    logging.getLogger("flashvlm.server").setLevel(logging.WARNING if args.disable_log_requests else logging.INFO)
-    print(f"flashvlm serving {names[0]} on http://{args.host}:{args.port}/v1 (max_model_len {engine.max_model_len})",
-          file=sys.stderr)
+                              api_key=args.api_key, disable_log_requests=args.disable_log_requests,
+                              body_read_timeout_s=args.body_read_timeout,
+                              max_body_bytes_in_flight=args.max_body_bytes_in_flight)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                    timeout_graceful_shutdown=5)
+        app = build_app(engine, settings, metrics, tracer)
+        server = build_server(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                              shutdown_timeout_s=args.shutdown_timeout, header_read_timeout_s=args.header_read_timeout)
+        logging.getLogger("flashvlm.server").setLevel(logging.WARNING if args.disable_log_requests else logging.INFO)
+        print(f"flashvlm serving {names[0]} on http://{args.host}:{args.port}/v1 "
+              f"(max_model_len {engine.max_model_len})", file=sys.stderr)
+        server.run()
     finally:
         engine.shutdown()
         tracer.shutdown()

@@ -22,7 +22,7 @@ from flashvlm.engine.async_engine import AsyncEngine, EngineDeadError, EngineSte
 from flashvlm.engine.scheduler import KV_CAPACITY_STOP_REASON
 from flashvlm.processing.input_processor import ProcessedPrompt
 from flashvlm.request import InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
-from flashvlm.server import media
+from flashvlm.server import limits, media
 from flashvlm.server.admission import QueueFullError
 from flashvlm.server.logprobs import LogprobsFormatter
 from flashvlm.server.protocol import (
@@ -56,6 +56,8 @@ class ServerSettings:
     """A flashvlm.server.tiers.TierConfig, or None: then requests carry vLLM's `priority` and no tier."""
     api_key: str | None = None
     disable_log_requests: bool = False
+    body_read_timeout_s: float = limits.DEFAULT_BODY_READ_TIMEOUT_S
+    max_body_bytes_in_flight: int = limits.DEFAULT_MAX_BODY_BYTES_IN_FLIGHT
 
 
 @dataclass

@@ -44,6 +44,7 @@ class LiveServer:
     server: uvicorn.Server
     thread: threading.Thread
     tracer: Any = None
+    app: Any = None
 
     @property
     def v1(self) -> str:
@@ -84,7 +85,9 @@ def image_message(text: str, *uris: str) -> list[dict[str, Any]]:
 
 
 def start_server(llm: LLM, media_dir: Path, *, max_waiting_requests: int = 256, with_metrics: bool = True,
-                 tracer: Any = None) -> LiveServer:
+                 tracer: Any = None, header_read_timeout_s: float = 10.0, **settings_kw: Any) -> LiveServer:
+    """`settings_kw`: more ServerSettings fields (body_read_timeout_s, max_body_bytes_in_flight)."""
+    from flashvlm.server.http_server import build_server
     from flashvlm.server.metrics import EngineMetrics
 
     tiers = load_tiers(None)
@@ -92,13 +95,15 @@ def start_server(llm: LLM, media_dir: Path, *, max_waiting_requests: int = 256, 
     metrics = EngineMetrics(MODEL, tiers=tiers.names, max_model_len=engine.max_model_len) if with_metrics else None
     policy = MediaPolicy(max_image_bytes=MAX_IMAGE_BYTES, max_image_pixels=MAX_IMAGE_PIXELS,
                          limit_images=LIMIT_IMAGES, allowed_local_media_path=media_dir)
-    settings = ServerSettings(served_model_names=[MODEL], media=policy, tiers=tiers, disable_log_requests=True)
+    settings = ServerSettings(served_model_names=[MODEL], media=policy, tiers=tiers, disable_log_requests=True,
+                              **settings_kw)
     app = build_app(engine, settings, metrics, tracer)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, backlog=512))
+    server = build_server(app, log_level="warning", shutdown_timeout_s=2, header_read_timeout_s=header_read_timeout_s,
+                          backlog=512)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -106,7 +111,7 @@ def start_server(llm: LLM, media_dir: Path, *, max_waiting_requests: int = 256, 
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the test server did not start")
         time.sleep(0.01)
-    live = LiveServer(f"http://127.0.0.1:{port}", engine, metrics, media_dir, server, thread, tracer)
+    live = LiveServer(f"http://127.0.0.1:{port}", engine, metrics, media_dir, server, thread, tracer, app)
     assert httpx.get(live.base_url + "/health", timeout=10).status_code == 200
     return live
 
