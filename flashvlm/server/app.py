@@ -76,8 +76,11 @@ def _refuse(request: Request, status: int, message: str, type: str = "invalid_re
 
 def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: Any = None, tracer: Any = None) -> FastAPI:
     """The ASGI app over a running AsyncEngine. `metrics`: an EngineMetrics (serves /metrics); `tracer`: a Tracer."""
+    # /openapi.json is always served; the HTML pages only with --enable-docs (they are blank without internet).
     app = FastAPI(title="flashvlm OpenAI-compatible API", version=__version__,
-                  description="Chat and text completions for vision-language models; see docs/server.md.")
+                  description="Chat and text completions for vision-language models; see docs/server.md.",
+                  docs_url="/docs" if settings.enable_docs else None,
+                  redoc_url="/redoc" if settings.enable_docs else None)
     serving = OpenAIServing(engine, settings, metrics, tracer)
     app.state.serving = serving
     app.state.engine = engine

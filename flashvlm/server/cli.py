@@ -33,6 +33,9 @@ def build_parser(sub: argparse._SubParsersAction) -> None:
                         "one /v1/models lists first and a request without `model` gets")
     g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* routes")
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    g.add_argument("--enable-docs", action="store_true",
+                   help="serve the interactive API pages /docs (Swagger UI) and /redoc; their scripts come from a "
+                        "CDN, so a browser without internet shows a blank page (/openapi.json is always served)")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default: %(default)s)")
@@ -117,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
     metrics = EngineMetrics(names[0], tiers=tiers.names if tiers else ["default"], max_model_len=engine.max_model_len)
     tracer = Tracer.create(args.otlp_traces_endpoint)
     settings = ServerSettings(served_model_names=names, model_path=args.model, media=policy, tiers=tiers,
-                              api_key=args.api_key, disable_log_requests=args.disable_log_requests)
+                              api_key=args.api_key, disable_log_requests=args.disable_log_requests,
+                              enable_docs=args.enable_docs)
     app = build_app(engine, settings, metrics, tracer)
     logging.getLogger("flashvlm.server").setLevel(logging.WARNING if args.disable_log_requests else logging.INFO)
     print(f"flashvlm serving {names[0]} on http://{args.host}:{args.port}/v1 (max_model_len {engine.max_model_len})",

@@ -52,6 +52,8 @@ class ServerSettings:
     """A flashvlm.server.tiers.TierConfig, or None: then requests carry vLLM's `priority` and no tier."""
     api_key: str | None = None
     disable_log_requests: bool = False
+    enable_docs: bool = False
+    """Serve /docs and /redoc: pages whose scripts the browser fetches from a CDN, so off unless asked for."""
 
 
 @dataclass
