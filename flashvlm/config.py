@@ -235,6 +235,11 @@ class EngineConfig:
             import torch
 
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        from flashvlm.kernels import dispatch
+
+        problem = dispatch.device_unavailable_reason(self.device)
+        if problem is not None:
+            raise ConfigError(f"device={self.device!r}: {problem}")
         self._resolve_attention()
         if c.kv_cache_dtype != "auto" and self.attention_backend != "reference":
             from flashvlm.attention.kv_quant import fp8_kv_unavailable_reason
@@ -256,11 +261,24 @@ class EngineConfig:
                 raise ConfigError(f"{name}='fa4': {fa4_missing}")
         if self.attention_backend == "fa4" and not on_gpu:
             raise ConfigError("attention_backend='fa4' decodes through the Triton kernel: install Triton")
+        if self.attention_backend == "triton":
+            self._check_triton_runs()
         if self.attention_backend == "auto":
             self.attention_backend = ("fa4" if fa4_missing is None else "triton") if on_gpu else "reference"
         if self.vision_attention == "auto":  # the reference backend means plain torch everywhere
             usable = fa4_missing is None and self.attention_backend != "reference"
             self.vision_attention = "fa4" if usable else "sdpa"
+
+    def _check_triton_runs(self) -> None:
+        from flashvlm.kernels.dispatch import interpreter_active, triton_available
+
+        if not triton_available():
+            raise ConfigError("attention_backend='triton' needs Triton: install flashvlm[gpu], or use 'reference'")
+        if not self.device.startswith("cuda") and not interpreter_active():
+            # Without the interpreter Triton finds no driver on a CPU, and only once the model is loaded.
+            raise ConfigError(f"attention_backend='triton' on device {self.device!r} runs only under Triton's "
+                              "CPU interpreter (set TRITON_INTERPRET=1 before starting; slow, for tests); use "
+                              "'reference' (or 'auto') on a CPU")
 
     def attention_for_dtype(self, dtype: Any) -> tuple[str, str]:
         """The (language-model, vision) attention backends that run for a model of this dtype. FA4 takes bf16/fp16

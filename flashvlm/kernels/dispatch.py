@@ -49,6 +49,20 @@ def _fa4_import_error() -> str | None:
     return None
 
 
+def device_unavailable_reason(device: str) -> str | None:
+    """Why `device` (already checked to be cpu, cuda or cuda:N) cannot be used on this machine, or None."""
+    if not device.startswith("cuda"):
+        return None
+    if not torch.cuda.is_available():
+        built = "built without CUDA" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, but no GPU found"
+        return f"CUDA is not available on this machine (torch {torch.__version__}: {built}); use 'cpu' or 'auto'"
+    index = device.partition(":")[2]
+    count = torch.cuda.device_count()
+    if index and (not index.isdigit() or int(index) >= count):
+        return f"no such GPU: this machine has {count} (cuda:0 to cuda:{count - 1})"
+    return None
+
+
 def fa4_unavailable_reason(device: str | torch.device) -> str | None:
     """Why the optional FlashAttention-4 package cannot run on `device`, or None when it can."""
     device = torch.device(device)

@@ -31,6 +31,9 @@ MAX_IMAGE_FILE_BYTES = 64 * 2**20
 _CONVERTIBLE_MODES = frozenset(
     {"1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr"}
 )
+_HIGH_DEPTH_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I", "F"})
+"""Greyscale of more than 8 bits, reduced to 8 by scaling its range: PIL's own convert clips at 255, which
+turns almost every 16-bit pixel white."""
 _EXIF_ORIENTATION = 0x0112
 
 __all__ = ["DEFAULT_MAX_IMAGE_PIXELS", "ImageSource", "load_image", "rgb_array"]
@@ -205,15 +208,17 @@ def _uint8_array(arr: np.ndarray, max_image_pixels: int | None) -> np.ndarray:
 def _finalize(img: Image.Image, max_image_pixels: int | None) -> Image.Image:
     """Validate size and mode, apply EXIF orientation, convert to RGB (the HF ``load_image`` steps)."""
     _check_size(img.width, img.height, max_image_pixels)
-    if img.mode not in _CONVERTIBLE_MODES:
+    if img.mode not in _CONVERTIBLE_MODES | _HIGH_DEPTH_MODES:
         raise InvalidRequestError(
-            f"unsupported image mode {img.mode!r}: 16/32-bit integer, float and other exotic modes have "
-            f"no faithful 8-bit RGB conversion; supported modes are {sorted(_CONVERTIBLE_MODES)}"
+            f"unsupported image mode {img.mode!r}: it has no faithful 8-bit RGB conversion; supported modes are "
+            f"{sorted(_CONVERTIBLE_MODES | _HIGH_DEPTH_MODES)}"
         )
     try:
         # Only transpose when an orientation tag asks for it; exif_transpose would otherwise copy.
         if img.getexif().get(_EXIF_ORIENTATION, 1) != 1:
             img = ImageOps.exif_transpose(img)
+        if img.mode in _HIGH_DEPTH_MODES:
+            img = _to_8bit_grey(img)
         if img.mode != "RGB":
             img = img.convert("RGB")
         else:
@@ -223,3 +228,20 @@ def _finalize(img: Image.Image, max_image_pixels: int | None) -> Image.Image:
     except Exception as e:
         raise InvalidRequestError(f"cannot decode image: {type(e).__name__}: {e}") from None
     return img
+
+
+def _to_8bit_grey(img: Image.Image) -> Image.Image:
+    """A 16-bit (I;16*, and I: how 16-bit PNGs and TIFFs also decode) or float (F) greyscale image as mode L.
+    Integers scale their 16-bit range to 8 bits rounding to nearest, so v * 257 maps back to v exactly; floats
+    are read in [0, 1], as float arrays are. Values outside those ranges have no one reading and are refused."""
+    arr = np.asarray(img)
+    if img.mode == "F":
+        if not np.isfinite(arr).all() or arr.min() < 0.0 or arr.max() > 1.0:
+            raise InvalidRequestError(f"float (mode F) image must hold finite values in [0, 1], got range "
+                                      f"[{arr.min()}, {arr.max()}]")
+        return Image.fromarray(np.rint(arr.astype(np.float64) * 255.0).astype(np.uint8))
+    if arr.min() < 0 or arr.max() > 65535:
+        raise InvalidRequestError(f"32-bit integer (mode I) image must hold values in [0, 65535] (16-bit), got "
+                                  f"[{arr.min()}, {arr.max()}]")
+    wide = arr.astype(np.uint32)
+    return Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8))

@@ -9,6 +9,7 @@ one copy of the decoded image are not kept: the copy is cheaper than holding fre
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -129,6 +130,7 @@ class InputProcessor:
         elif "prompt" in prompt:
             if not isinstance(prompt["prompt"], str):
                 raise InvalidRequestError("prompt must be a string")
+            check_unicode(prompt["prompt"], "prompt")
             token_ids = self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
         else:
             raise InvalidRequestError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
@@ -142,6 +144,7 @@ class InputProcessor:
         templated, images = self.normalize_messages(messages)
         text = self.tokenizer.apply_chat_template(templated, chat_template=template, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
+        check_unicode(text, "the templated chat")  # a role or template text the message checks did not see
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         return self._attach_images(token_ids, images, mm_processor_kwargs or {})
 
@@ -157,6 +160,7 @@ class InputProcessor:
                 raise InvalidRequestError(f"messages[{i}] must be an object with 'role' and 'content'")
             content = msg["content"]
             if isinstance(content, str) or content is None:
+                check_unicode(content or "", f"messages[{i}].content")
                 out.append({"role": msg["role"], "content": content or ""})
                 continue
             if not isinstance(content, list):
@@ -167,6 +171,7 @@ class InputProcessor:
                 if kind == "text":
                     if not isinstance(part.get("text"), str):
                         raise InvalidRequestError(f"messages[{i}].content[{j}]: text part needs a 'text' string")
+                    check_unicode(part["text"], f"messages[{i}].content[{j}].text")
                     parts.append({"type": "text", "text": part["text"]})
                 elif kind in _IMAGE_PART_TYPES:
                     images.append(_image_source(part, f"messages[{i}].content[{j}]"))
@@ -259,6 +264,18 @@ class InputProcessor:
             previous = start + 1
         out.extend(token_ids[previous:])
         return out
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_unicode(text: str, where: str) -> None:
+    """Refuse a lone UTF-16 surrogate (JSON's "\\ud800" escape without its pair): it is no Unicode character, has
+    no UTF-8 encoding and so no tokens. Replacing it would silently change the prompt, so it is refused."""
+    found = _SURROGATE.search(text)
+    if found is not None:
+        raise InvalidRequestError(f"{where} holds a lone UTF-16 surrogate (U+{ord(found.group()):04X} at character "
+                                  f"{found.start()}), which is not valid Unicode text; send valid UTF-8")
 
 
 def _timed(fn, *args) -> ProcessedPrompt:

@@ -59,10 +59,30 @@ def error_response(status: int, message: str, type: str = "invalid_request_error
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def log_rejection(scope: Scope, status: int, code: str | None, message: str) -> None:
+    """One line per refused request, in a fixed shape for log searches:
+    `request <id> rejected: <status> <code> (<METHOD> <path>): <message>` (the message on one line, cut at 500
+    characters). 4xx at INFO (the client's fault, logged like accepted requests), 5xx at WARNING."""
+    request_id = scope.get("state", {}).get("request_id", "-")
+    reason = message.replace("\r", "\\r").replace("\n", "\\n")[:500]
+    logger.log(logging.WARNING if status >= 500 else logging.INFO, "request %s rejected: %d %s (%s %s): %s",
+               request_id, status, code or "-", scope.get("method", "-"), scope.get("path", "-"), reason)
+
+
+def _refuse(request: Request, status: int, message: str, type: str = "invalid_request_error",
+            param: str | None = None, code: str | None = None,
+            headers: dict[str, str] | None = None) -> JSONResponse:
+    log_rejection(request.scope, status, code, message)
+    return error_response(status, message, type, param, code, headers)
+
+
 def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: Any = None, tracer: Any = None) -> FastAPI:
     """The ASGI app over a running AsyncEngine. `metrics`: an EngineMetrics (serves /metrics); `tracer`: a Tracer."""
+    # /openapi.json is always served; the HTML pages only with --enable-docs (they are blank without internet).
     app = FastAPI(title="flashvlm OpenAI-compatible API", version=__version__,
-                  description="Chat and text completions for vision-language models; see docs/server.md.")
+                  description="Chat and text completions for vision-language models; see docs/server.md.",
+                  docs_url="/docs" if settings.enable_docs else None,
+                  redoc_url="/redoc" if settings.enable_docs else None)
     serving = OpenAIServing(engine, settings, metrics, tracer)
     app.state.serving = serving
     app.state.engine = engine
@@ -123,34 +143,35 @@ def _max_body_bytes(settings: ServerSettings) -> int:
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return _refuse(request, e.status, e.message, e.type, e.param, e.code, e.headers)
 
     @app.exception_handler(InvalidRequestError)
-    async def invalid_request(_: Request, e: InvalidRequestError) -> JSONResponse:
-        return error_response(400, str(e), code="invalid_request")
+    async def invalid_request(request: Request, e: InvalidRequestError) -> JSONResponse:
+        return _refuse(request, 400, str(e), code="invalid_request")
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        return _validation_response(e)
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        message, param, code = _validation_problem(e)
+        return _refuse(request, 400, message, param=param, code=code)
 
     @app.exception_handler(QueueFullError)
-    async def queue_full(_: Request, e: QueueFullError) -> JSONResponse:
-        return error_response(429, str(e), "rate_limit_error", code="queue_full",
-                              headers={"Retry-After": str(e.retry_after_s)})
+    async def queue_full(request: Request, e: QueueFullError) -> JSONResponse:
+        return _refuse(request, 429, str(e), "rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(e.retry_after_s)})
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
-        return error_response(503, str(e), "service_unavailable", code="engine_dead")
+    async def engine_dead(request: Request, e: EngineDeadError) -> JSONResponse:
+        return _refuse(request, 503, str(e), "service_unavailable", code="engine_dead")
 
     @app.exception_handler(EngineStepError)
-    async def engine_step(_: Request, e: EngineStepError) -> JSONResponse:
-        return error_response(500, str(e), "server_error", code="engine_error")
+    async def engine_step(request: Request, e: EngineStepError) -> JSONResponse:
+        return _refuse(request, 500, str(e), "server_error", code="engine_error")
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500
-                              else "server_error", headers=getattr(e, "headers", None))
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _refuse(request, e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500
+                       else "server_error", headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def internal(_: Request, e: Exception) -> JSONResponse:
@@ -158,14 +179,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"internal server error: {type(e).__name__}", "server_error")
 
 
-def _validation_response(e: RequestValidationError) -> JSONResponse:
+def _validation_problem(e: RequestValidationError) -> tuple[str, str | None, str]:
+    """(message, param, code) of FastAPI's 422, which is answered as OpenAI's 400."""
     errors = e.errors()
     if not errors:
-        return error_response(400, "invalid request", code="invalid_request")
+        return "invalid request", None, "invalid_request"
     if any(err.get("type") == "json_invalid" for err in errors):
         err = next(err for err in errors if err.get("type") == "json_invalid")
-        return error_response(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}",
-                              code="invalid_json")
+        return f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}", None, "invalid_json"
     # A union field reports one error per alternative; the deepest one names the actual problem.
     first = max(errors, key=lambda err: len(err.get("loc", ())))
     loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _is_union_branch(x)]
@@ -173,7 +194,7 @@ def _validation_response(e: RequestValidationError) -> JSONResponse:
     message = f"{where}: {first['msg']}" if where else str(first["msg"])
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem(s))"
-    return error_response(400, message, param=loc[0] if loc else None, code="invalid_request")
+    return message, loc[0] if loc else None, "invalid_request"
 
 
 def _is_union_branch(part: object) -> bool:
@@ -208,6 +229,7 @@ class _RequestIdAndLimits:
 
         async def refuse(status: int, message: str, type: str, code: str, close: bool = False) -> None:
             # A refused body is left unread; closing the connection drops whatever of it is still coming.
+            log_rejection(scope, status, code, message)
             extra = {"Connection": "close"} if close else {}
             if status == 503:
                 extra["Retry-After"] = "1"

@@ -48,6 +48,9 @@ def build_parser(sub: argparse._SubParsersAction) -> None:
                         "one /v1/models lists first and a request without `model` gets")
     g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* routes")
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    g.add_argument("--enable-docs", action="store_true",
+                   help="serve the interactive API pages /docs (Swagger UI) and /redoc; their scripts come from a "
+                        "CDN, so a browser without internet shows a blank page (/openapi.json is always served)")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default: %(default)s)")
@@ -136,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(served_model_names=names, model_path=args.model, media=policy, tiers=tiers,
                               api_key=args.api_key, disable_log_requests=args.disable_log_requests,
                               body_read_timeout_s=args.body_read_timeout,
-                              max_body_bytes_in_flight=args.max_body_bytes_in_flight)
+                              max_body_bytes_in_flight=args.max_body_bytes_in_flight, enable_docs=args.enable_docs)
     try:
         app = build_app(engine, settings, metrics, tracer)
         server = build_server(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

@@ -54,7 +54,7 @@ BAD_PROMPTS = [
     ({"prompt": IMG, "images": [b"\x89PNG\r\n\x1a\n-corrupt"]}, "image 0"),
     ({"prompt": IMG, "images": [_png_bytes()[:60]]}, "image 0"),
     ({"prompt": IMG, "images": [np.zeros((0, 10, 3), dtype=np.uint8)]}, "zero"),
-    ({"prompt": IMG, "images": [Image.new("F", (32, 32))]}, "mode"),
+    ({"prompt": IMG, "images": [Image.new("HSV", (32, 32))]}, "mode"),
     ({"prompt": IMG, "images": ["data:image/png;base64,!!!notbase64"]}, "base64"),
     ({"prompt": IMG, "images": ["/nonexistent/picture.png"]}, "not found"),
     ({"prompt_token_ids": [1, 2, 10**7]}, "vocabulary"),

@@ -36,6 +36,7 @@ def test_auto_takes_fa4_where_it_runs(monkeypatch) -> None:
     """A CUDA device that FA4 serves: auto picks it for both; explicit choices stay as they are."""
     monkeypatch.setattr(dispatch, "fa4_unavailable_reason", lambda device: None)
     monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setattr(dispatch, "device_unavailable_reason", lambda device: None)  # a machine with the GPU
     cfg = _config(device="cuda").validate()
     assert (cfg.attention_backend, cfg.vision_attention) == ("fa4", "fa4")
     cfg = _config(device="cuda", attention_backend="triton", vision_attention="sdpa").validate()
@@ -45,6 +46,7 @@ def test_auto_takes_fa4_where_it_runs(monkeypatch) -> None:
 def test_auto_falls_back_where_fa4_is_missing(monkeypatch) -> None:
     monkeypatch.setattr(dispatch, "fa4_unavailable_reason", lambda device: "not installed")
     monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setattr(dispatch, "device_unavailable_reason", lambda device: None)  # a machine with the GPU
     cfg = _config(device="cuda").validate()
     assert (cfg.attention_backend, cfg.vision_attention) == ("triton", "sdpa")
 
@@ -116,6 +118,7 @@ def test_found_but_not_importable_reads_as_unavailable(monkeypatch) -> None:
     assert reason == ("FlashAttention-4 is installed but does not import "
                       "(ModuleNotFoundError: No module named 'cutlass')")
     monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setattr(dispatch, "device_unavailable_reason", lambda device: None)  # a machine with the GPU
     cfg = _config(device="cuda").validate()
     assert (cfg.attention_backend, cfg.vision_attention) == ("triton", "sdpa")
 
@@ -134,6 +137,7 @@ def test_only_hopper_and_a_readable_device(monkeypatch) -> None:
 def test_reference_backend_keeps_the_tower_on_sdpa(monkeypatch) -> None:
     monkeypatch.setattr(dispatch, "fa4_unavailable_reason", lambda device: None)
     monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setattr(dispatch, "device_unavailable_reason", lambda device: None)  # a machine with the GPU
     cfg = _config(device="cuda", attention_backend="reference").validate()
     assert (cfg.attention_backend, cfg.vision_attention) == ("reference", "sdpa")
 
@@ -141,6 +145,7 @@ def test_reference_backend_keeps_the_tower_on_sdpa(monkeypatch) -> None:
 def test_fa4_needs_triton_for_decode(monkeypatch) -> None:
     monkeypatch.setattr(dispatch, "fa4_unavailable_reason", lambda device: None)
     monkeypatch.setattr(dispatch, "triton_available", lambda: False)
+    monkeypatch.setattr(dispatch, "device_unavailable_reason", lambda device: None)  # a machine with the GPU
     with pytest.raises(ConfigError, match="install Triton"):
         _config(device="cuda", attention_backend="fa4").validate()
 
@@ -151,6 +156,7 @@ def test_float32_models_leave_fa4(monkeypatch) -> None:
     keeps what was asked for."""
     monkeypatch.setattr(dispatch, "fa4_unavailable_reason", lambda device: None)
     monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setattr(dispatch, "device_unavailable_reason", lambda device: None)  # a machine with the GPU
     cfg = _config(device="cuda").validate()
     assert cfg.attention_for_dtype(torch.bfloat16) == ("fa4", "fa4")
     assert cfg.attention_for_dtype(torch.float32) == ("triton", "sdpa")

@@ -145,16 +145,65 @@ def test_zero_size() -> None:
     expect_error(np.zeros((0, 5, 3), dtype=np.uint8), "zero-size")
 
 
-@pytest.mark.parametrize("mode", ["I;16", "I", "F", "HSV"])
+@pytest.mark.parametrize("mode", ["HSV", "LAB"])
 def test_unsupported_mode(mode: str) -> None:
     msg = expect_error(Image.new(mode, (4, 4)), "unsupported image mode", mode.lower())
     assert "rgb" in msg
 
 
-def test_unsupported_mode_from_encoded_file() -> None:
-    # A 16-bit grayscale PNG decodes to mode I;16 / I: refused, not silently clipped to 255.
-    arr = np.random.default_rng(7).integers(0, 65536, (8, 8), dtype=np.uint16)
-    expect_error(png_bytes(Image.fromarray(arr)), "unsupported image mode")
+def _grey16(seed: int = 7) -> np.ndarray:
+    arr = np.random.default_rng(seed).integers(0, 65536, (9, 11), dtype=np.uint16)
+    arr[0, :4] = [0, 65535, 128, 32768]  # both ends and a value PIL's clipping convert would also keep
+    return arr
+
+
+def _expect_grey(out: Image.Image, grey: np.ndarray) -> None:
+    assert out.mode == "RGB" and out.size == (grey.shape[1], grey.shape[0])
+    assert np.array_equal(np.asarray(out), np.repeat(grey[:, :, None], 3, axis=2))
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
+def test_16bit_grey_file_is_scaled_not_clipped(fmt: str) -> None:
+    arr = _grey16()
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format=fmt)
+    assert Image.open(io.BytesIO(buf.getvalue())).mode in ("I;16", "I")
+    _expect_grey(load_image(buf.getvalue()), np.rint(arr / 257.0).astype(np.uint8))
+
+
+@pytest.mark.parametrize("mode", ["I;16", "I;16B", "I;16L", "I"])
+def test_16bit_modes_scale_their_range(mode: str) -> None:
+    arr = _grey16(seed=3)
+    if mode == "I":
+        src = Image.fromarray(arr.astype(np.int32))
+    else:
+        src = Image.frombytes(mode, (arr.shape[1], arr.shape[0]), arr.astype(">u2" if mode == "I;16B" else "<u2")
+                              .tobytes())
+    assert src.mode == mode
+    _expect_grey(load_image(src), np.rint(arr / 257.0).astype(np.uint8))
+
+
+def test_8bit_content_widened_to_16_bits_comes_back_exactly() -> None:
+    grey = rand_array(c=None, seed=5)
+    _expect_grey(load_image(png_bytes(Image.fromarray(grey.astype(np.uint16) * 257))), grey)
+
+
+def test_float_mode_reads_zero_to_one() -> None:
+    arr = np.random.default_rng(2).random((6, 5)).astype(np.float32)
+    arr[0, :2] = [0.0, 1.0]
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="TIFF")
+    _expect_grey(load_image(buf.getvalue()), np.rint(arr.astype(np.float64) * 255).astype(np.uint8))
+
+
+@pytest.mark.parametrize("values,needle", [
+    (np.array([[0.5, 2.0]], dtype=np.float32), "[0, 1]"),
+    (np.array([[0.5, np.nan]], dtype=np.float32), "finite"),
+    (np.array([[0, 70000]], dtype=np.int32), "[0, 65535]"),
+    (np.array([[-1, 5]], dtype=np.int32), "[0, 65535]"),
+])
+def test_high_depth_values_without_one_reading_are_refused(values: np.ndarray, needle: str) -> None:
+    expect_error(Image.fromarray(values), needle)
 
 
 def test_missing_file_and_directory(tmp_path: Path) -> None:
@@ -213,7 +262,7 @@ def test_too_many_pixels(tmp_path: Path) -> None:
 
 
 def test_next_request_still_works_after_errors(rgb: Image.Image) -> None:
-    for bad in (b"\x00garbage", Image.new("F", (2, 2)), "data:image/png;base64,###"):
+    for bad in (b"\x00garbage", Image.new("HSV", (2, 2)), "data:image/png;base64,###"):
         with pytest.raises(InvalidRequestError):
             load_image(bad)
     assert load_image(png_bytes(rgb)).size == rgb.size
