@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from flashvlm.request import SamplingParams, TokenLogprobs
-from flashvlm.runner.sampler import _to_device
+from flashvlm.runner.sampler import host_to_device
 
 
 @dataclass
@@ -46,7 +46,7 @@ def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, request_ids: Seq
     if len(rows) == logits.shape[0]:
         asking, asked_tokens = logits, tokens
     else:
-        index = _to_device(rows, torch.int64, logits.device)
+        index = host_to_device(rows, torch.int64, logits.device)
         asking, asked_tokens = logits.index_select(0, index), tokens.index_select(0, index)
     logprobs = asking.float().log_softmax(dim=-1)
     sampled = logprobs.gather(1, asked_tokens.view(-1, 1)).view(-1)

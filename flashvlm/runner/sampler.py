@@ -39,7 +39,7 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return gen
 
 
-def _to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def host_to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host list or array -> device tensor without blocking the host on the device stream."""
     if isinstance(values, np.ndarray):
         cpu = torch.from_numpy(values).to(dtype)
@@ -112,7 +112,7 @@ class Sampler:
 
         # Mixed batch: sample only the random rows, then merge with the argmax of the rest.
         greedy = logits.argmax(dim=-1)
-        index = _to_device(random_rows, torch.int64, logits.device)
+        index = host_to_device(random_rows, torch.int64, logits.device)
         sampled = self._sample(logits.index_select(0, index), [params[i] for i in random_rows],
                                [generators[i] for i in random_rows])
         return greedy.index_copy(0, index, sampled)
@@ -148,18 +148,18 @@ class Sampler:
         total = sum(row_lengths)
         flat = np.fromiter(itertools.chain.from_iterable(prev_token_ids[i] for i in rows),
                            dtype=np.int64, count=total)
-        lengths = _to_device(row_lengths, torch.int64, logits.device)
-        ids = _to_device(flat, torch.int64, logits.device)
+        lengths = host_to_device(row_lengths, torch.int64, logits.device)
+        ids = host_to_device(flat, torch.int64, logits.device)
         ids = torch.where((ids >= 0) & (ids < vocab), ids, vocab)
         # output_size keeps repeat_interleave from reading the lengths back to the host.
-        row_index = torch.repeat_interleave(_to_device(rows, torch.int64, logits.device), lengths,
+        row_index = torch.repeat_interleave(host_to_device(rows, torch.int64, logits.device), lengths,
                                             output_size=total)
         seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
         # A device-side True: `seen[...] = True` copies the Python scalar over and syncs.
         seen.index_put_((row_index, ids), seen.new_ones(()))
         seen = seen[:, :vocab]
         penalty = [float(p.repetition_penalty) for p in params]
-        pen = _to_device(penalty, torch.float32, logits.device).unsqueeze(1)
+        pen = host_to_device(penalty, torch.float32, logits.device).unsqueeze(1)
         penalized = torch.where(logits < 0, logits * pen, logits / pen)
         return torch.where(seen, penalized, logits)
 
@@ -186,7 +186,7 @@ class Sampler:
                     cols.append(t)
         if not rows:
             return logits
-        index = _to_device([rows, cols], torch.int64, logits.device)
+        index = host_to_device([rows, cols], torch.int64, logits.device)
         # new_full fills on the device; torch.tensor(..., device=cuda) would copy from the host.
         return logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))
 
@@ -199,7 +199,7 @@ class Sampler:
         """Temperature, top-k, top-p, min-p, then one draw per row; every row here is non-greedy."""
         device = logits.device
         # Finite: temperatures too small to divide by (below GREEDY_TEMPERATURE) count as greedy and never get here.
-        temperature = _to_device([float(p.temperature) for p in params], torch.float32, device)
+        temperature = host_to_device([float(p.temperature) for p in params], torch.float32, device)
         logits = logits / temperature.unsqueeze(1)
 
         use_top_k = any(0 < p.top_k < logits.shape[1] for p in params)
@@ -209,7 +209,7 @@ class Sampler:
 
         probs = logits.softmax(dim=-1)
         if any(p.min_p > 0.0 for p in params):
-            min_p = _to_device([float(p.min_p) for p in params], torch.float32, device)
+            min_p = host_to_device([float(p.min_p) for p in params], torch.float32, device)
             threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
             # The top token always survives (its prob equals the max), so no row goes empty.
             probs = probs.masked_fill(probs < threshold, 0.0)
@@ -246,14 +246,14 @@ class Sampler:
         else:
             sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
         if use_top_k:
-            k_index = _to_device(k, torch.int64, device).unsqueeze(1) - 1
+            k_index = host_to_device(k, torch.int64, device).unsqueeze(1) - 1
             # Threshold on the k-th largest value (ties at the boundary survive), as transformers does.
             kth = sorted_logits.gather(1, k_index)
             logits = logits.masked_fill(logits < kth, float("-inf"))
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
         if use_top_p:
             # inf disables the filter exactly; 1.0 could drop tail tokens through cumsum rounding.
-            top_p = _to_device([p.top_p if p.top_p < 1.0 else float("inf") for p in params],
+            top_p = host_to_device([p.top_p if p.top_p < 1.0 else float("inf") for p in params],
                                torch.float32, device)
             sorted_probs = sorted_logits.softmax(dim=-1)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
