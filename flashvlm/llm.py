@@ -50,14 +50,16 @@ class LLM:
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template: str | None = None, mm_processor_kwargs: dict | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False, tools: list[dict] | None = None) -> list[RequestOutput]:
         """OpenAI-style messages (one conversation or a list of them); content parts `text`,
-        `image_url` ({"url": data URI or file path}) and `image` (PIL image, array, path or bytes)."""
+        `image_url` ({"url": data URI or file path}) and `image` (PIL image, array, path or bytes). `tools`
+        (OpenAI's function definitions) are rendered into the prompt; the output is the model's text
+        (flashvlm.server.tool_calls.parse_tool_calls reads calls out of it)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidRequestError("messages must be a non-empty list")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         jobs = [functools.partial(self.engine.process_chat, c, chat_template=chat_template,
-                                  mm_processor_kwargs=mm_processor_kwargs) for c in conversations]
+                                  mm_processor_kwargs=mm_processor_kwargs, tools=tools) for c in conversations]
         return self._run(jobs, sampling_params, None, use_tqdm)
 
     def _run(self, jobs: list[Callable[[], ProcessedPrompt]], sampling_params: Any, priority: Sequence[int] | None,

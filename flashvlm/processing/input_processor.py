@@ -9,6 +9,7 @@ one copy of the decoded image are not kept: the copy is cheaper than holding fre
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -20,11 +21,14 @@ from typing import Any
 from flashvlm.models.loader import Checkpoint
 from flashvlm.processing.images import load_image, rgb_array
 from flashvlm.processing.preprocess import SourceImage
+from flashvlm.processing.tool_prompt import check_tools, with_tools
 from flashvlm.pruning.base import PruningSettingError, kept_count
 from flashvlm.pruning.setting import PRUNING_KWARGS, pruning_for, resolve_setting
 from flashvlm.request import InvalidRequestError, MMItem
 
 _IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+_TOOL_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name")
+"""Message fields the chat template (or processing.tool_prompt) reads besides role and content."""
 
 
 @dataclass
@@ -106,9 +110,13 @@ class InputProcessor:
         return _timed(self._process, prompt, mm_processor_kwargs)
 
     def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
-                     chat_template: str | None = None, add_generation_prompt: bool = True) -> ProcessedPrompt:
-        """OpenAI-style messages: content is a string or a list of parts (text, image_url, image)."""
-        return _timed(self._process_chat, messages, mm_processor_kwargs, chat_template, add_generation_prompt)
+                     chat_template: str | None = None, add_generation_prompt: bool = True,
+                     tools: list[dict] | None = None) -> ProcessedPrompt:
+        """OpenAI-style messages: content is a string or a list of parts (text, image_url, image); assistant
+        `tool_calls` and `tool` messages in the history, and the `tools` the model may call (processing.tool_prompt
+        says how they reach the template)."""
+        return _timed(self._process_chat, messages, mm_processor_kwargs, chat_template, add_generation_prompt,
+                      tools)
 
     def _process(self, prompt: str | dict[str, Any], mm_processor_kwargs: dict | None) -> ProcessedPrompt:
         if isinstance(prompt, str):
@@ -137,13 +145,15 @@ class InputProcessor:
         return self._attach_images(token_ids, images, kwargs)
 
     def _process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None, chat_template: str | None,
-                      add_generation_prompt: bool) -> ProcessedPrompt:
+                      add_generation_prompt: bool, tools: list[dict] | None) -> ProcessedPrompt:
         template = chat_template or self.checkpoint.chat_template
         if template is None:
             raise InvalidRequestError("this model has no chat template; use generate() with a raw prompt")
         templated, images = self.normalize_messages(messages)
+        templated, template_tools = with_tools(templated, None if tools is None else check_tools(tools), template)
         text = self.tokenizer.apply_chat_template(templated, chat_template=template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **({"tools": template_tools} if template_tools else {}))
         check_unicode(text, "the templated chat")  # a role or template text the message checks did not see
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         return self._attach_images(token_ids, images, mm_processor_kwargs or {})
@@ -156,12 +166,15 @@ class InputProcessor:
             raise InvalidRequestError("messages must be a non-empty list")
         out, images = [], []
         for i, msg in enumerate(messages):
-            if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+            if not isinstance(msg, dict) or "role" not in msg or ("content" not in msg and "tool_calls" not in msg):
                 raise InvalidRequestError(f"messages[{i}] must be an object with 'role' and 'content'")
-            content = msg["content"]
+            content = msg.get("content")
+            extra = {k: msg[k] for k in _TOOL_MESSAGE_FIELDS if msg.get(k) is not None}
+            if extra:
+                check_unicode(json.dumps(extra, ensure_ascii=False), f"messages[{i}]")
             if isinstance(content, str) or content is None:
                 check_unicode(content or "", f"messages[{i}].content")
-                out.append({"role": msg["role"], "content": content or ""})
+                out.append({"role": msg["role"], "content": content or "", **extra})
                 continue
             if not isinstance(content, list):
                 raise InvalidRequestError(f"messages[{i}].content must be a string or a list of parts")
@@ -179,7 +192,7 @@ class InputProcessor:
                 else:
                     raise InvalidRequestError(f"messages[{i}].content[{j}]: unsupported content part type "
                                               f"{kind!r} (supported: text, image_url, image)")
-            out.append({"role": msg["role"], "content": parts})
+            out.append({"role": msg["role"], "content": parts, **extra})
         return out, images
 
     # ---- images --------------------------------------------------------------------------------
