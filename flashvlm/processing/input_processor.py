@@ -145,8 +145,15 @@ class InputProcessor:
         text = self.tokenizer.apply_chat_template(templated, chat_template=template, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
         check_unicode(text, "the templated chat")  # a role or template text the message checks did not see
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        token_ids = self.tokenizer.encode(text, add_special_tokens=self._adds_special_tokens(text))
         return self._attach_images(token_ids, images, mm_processor_kwargs or {})
+
+    def _adds_special_tokens(self, templated: str) -> bool:
+        """Whether the tokenizer adds its special tokens (a BOS) to a templated chat: as transformers' processors
+        do, unless the template already starts with the BOS. llava-hf templates do not write one, and their models
+        were trained with it."""
+        bos = self.tokenizer.bos_token
+        return not (bos is not None and templated.startswith(bos))
 
     @staticmethod
     def normalize_messages(messages: Any) -> tuple[list[dict], list[Any]]:

@@ -72,8 +72,10 @@ def _hf_processor(name: str, path, hf_config):
 def family(request, tmp_path_factory):
     name = request.param
     folder = tmp_path_factory.mktemp(name)
-    path = build_llava(folder, seed=31) if name == "llava" else build_qwen2_vl(folder, seed=31,
-                                                                              qwen25=name == "qwen2_5_vl")
+    # LLaVA's tokenizer adds <s> as llava-hf's do, and its chat template writes none (the BOS case of
+    # test_chat_matches_hf_processor).
+    path = build_llava(folder, seed=31, add_bos=True) if name == "llava" else build_qwen2_vl(
+        folder, seed=31, qwen25=name == "qwen2_5_vl")
     llm = LLM(str(path), device="cpu", kv_cache_tokens=1024)
     return name, llm, _hf_processor(name, path, llm.engine.model.config)
 
@@ -106,15 +108,19 @@ def test_raw_prompt_matches_hf_processor(family, case) -> None:
 
 
 def test_chat_matches_hf_processor(family) -> None:
+    """The processor's own apply_chat_template, tokenized: it adds the tokenizer's BOS where the template writes
+    none (LLaVA here), so ours must too."""
     name, llm, hf_processor = family
     images = [_image(size, 10 + seed) for seed, size in enumerate(SIZES[:2])]
     content = [{"type": "text", "text": "Two pictures:"}, {"type": "image"}, {"type": "image"},
                {"type": "text", "text": "Which is brighter?"}]
-    text = hf_processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                            tokenize=False)
-    hf = hf_processor(text=text, images=[Image.fromarray(a) for a in images], return_tensors="pt",
-                      add_special_tokens=False)
+    hf_content = [part if part["type"] == "text" else {"type": "image", "image": Image.fromarray(images[i // 2])}
+                  for i, part in enumerate(content)]
+    hf = hf_processor.apply_chat_template([{"role": "user", "content": hf_content}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=True, return_tensors="pt")
     ours_content = [part if part["type"] == "text" else {"type": "image", "image": images.pop(0)}
                     for part in content]
     ours = llm.engine.process_chat([{"role": "user", "content": ours_content}])
+    if name == "llava":
+        assert ours.prompt_token_ids[0] == llm.engine.input_processor.tokenizer.bos_token_id
     _assert_same(name, ours, hf)
