@@ -53,11 +53,12 @@ class LlavaNextImageProcessor:
     @classmethod
     def from_config(cls, d: Mapping[str, Any]) -> LlavaNextImageProcessor:
         """Build from a LlavaNextImageProcessor ``preprocessor_config.json`` dict. Its ``do_pad`` pads a batch to
-        one crop count (nothing here: each item keeps its own), not CLIP's pad-to-square, so it is not passed on."""
+        one crop count (nothing here: each item keeps its own), not CLIP's pad-to-square, so it is not passed on.
+        Missing sizes default to the 336-pixel tiles of HF's default pinpoints (HF's class defaults, 224, do not
+        divide them)."""
         d = dict(d)
-        size = d.get("size", {"shortest_edge": 224})
-        d.setdefault("size", size)
-        d.setdefault("crop_size", {"height": 224, "width": 224})
+        size = d.setdefault("size", {"shortest_edge": 336})
+        d.setdefault("crop_size", {"height": 336, "width": 336})
         clip = ClipImageProcessor.from_config({**d, "do_pad": False})
         if isinstance(size, int):
             base_hw = (size, size)
