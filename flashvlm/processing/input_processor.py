@@ -21,7 +21,7 @@ from flashvlm.models.loader import Checkpoint
 from flashvlm.processing.images import load_image, rgb_array
 from flashvlm.processing.preprocess import SourceImage
 from flashvlm.pruning.base import PruningSettingError, kept_count
-from flashvlm.pruning.setting import PRUNING_KWARGS, pruning_for, resolve_setting
+from flashvlm.pruning.setting import NO_GRID_EXAMPLES, PRUNING_KWARGS, pruning_for, resolve_setting
 from flashvlm.request import InvalidRequestError, MMItem
 
 _IMAGE_PART_TYPES = ("image", "image_url", "input_image")
@@ -98,8 +98,8 @@ class InputProcessor:
         if pruning[0] != "none" and self.image_inputs.token_grid(self.image_inputs.profile_item()) is None:
             from flashvlm.config import ConfigError
 
-            raise ConfigError(f"mm_token_pruning {pruning[0]!r}: this model's image tokens form no grid (e.g. LLaVA "
-                              "with vision_feature_select_strategy 'full' keeps the CLS token); use 'none'")
+            raise ConfigError(f"mm_token_pruning {pruning[0]!r}: this model's image tokens form no grid "
+                              f"({NO_GRID_EXAMPLES}); use 'none'")
 
     # ---- prompts -------------------------------------------------------------------------------
     def process(self, prompt: str | dict[str, Any], mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
