@@ -27,8 +27,7 @@ from flashvlm.processing.anyres import (
     parse_pinpoints,
 )
 from flashvlm.processing.clip_image import ClipImageProcessor
-from flashvlm.processing.hashing import hash_image, hash_pixels
-from flashvlm.processing.preprocess import SourceImage, check_image_shape, positive_int, to_rgb
+from flashvlm.processing.preprocess import SourceImage, cached_preprocess, check_image_shape, positive_int, to_rgb
 from flashvlm.request import InvalidRequestError, MMItem
 
 if TYPE_CHECKING:
@@ -112,18 +111,11 @@ class LlavaNextImageInputs:
         if kwargs:
             raise InvalidRequestError(f"this model takes no mm_processor_kwargs, got {sorted(kwargs)}")
         proc = self.processor
-        params = proc.processor_params()
-        array = image.array
-        mm_hash = (hash_image(image.pil, params) if array is None
-                   else hash_pixels("RGB", array.shape[1], array.shape[0], params, array))
         width, height = image.size
-        cached = cache.get(mm_hash)
-        if cached is None:
-            check_image_shape(height, width)
-            pixels, layout = proc.preprocess(image.to_pil(), device=device), proc.layout(height, width, self.side)
-            cache.put(mm_hash, pixels, layout)
-        else:
-            pixels, layout = cached
+        check_image_shape(height, width)
+        mm_hash, pixels, layout = cached_preprocess(
+            image, proc.processor_params(), cache,
+            lambda pil: (proc.preprocess(pil, device=device), proc.layout(height, width, self.side)))
         return MMItem(mm_hash=mm_hash, pixel_values=pixels, num_tokens=layout.num_tokens, layout=layout,
                       image_size=image.size)
 
