@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING, Any
 from flashvlm.bench.records import BenchRequest, ScenarioResult
 from flashvlm.extras import require_extra
 
+BENCHMARK_MODELS = ["llava-1.5-7b", "llava-v1.6-mistral-7b", "qwen2-vl-7b"]
+"""`--benchmark-model` choices, listed here so the parser imports no model code (model_configs.py writes them)."""
+
 if TYPE_CHECKING:
     from flashvlm.bench.baselines.vllm_baseline import VLLMBaseline
 
@@ -47,7 +50,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
     add_engine_args(p)
     g = p.add_argument_group("benchmark model and baseline")
-    g.add_argument("--benchmark-model", default=None, choices=["qwen2-vl-7b"],
+    g.add_argument("--benchmark-model", default=None, choices=BENCHMARK_MODELS,
                    help="a real-size config with random weights (implies --load-format dummy)")
     g.add_argument("--baseline", default=None, choices=["transformers", "vllm"],
                    help="also run the workload through this system and report ratios (vllm: in a subprocess, "

@@ -34,25 +34,34 @@ QWEN_SPECIAL_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>
 CONFIGS = {"qwen2-vl-7b": (QWEN2_VL_7B, QWEN_SPECIAL_IDS)}
 
 
-def _word_tokenizer(vocab_size: int, special_ids: dict[str, int], eos: str, pad: str):
-    """Whitespace word-level tokenizer with one word per id: any sampled id decodes to text."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+def word_tokenizer(vocab_size: int, special_ids: dict[str, int], eos: str, pad: str,
+                   chat_template: str = QWEN_CHAT_TEMPLATE, bos: str | None = None):
+    """Whitespace word-level tokenizer with one word per id: any sampled id decodes to text. With `bos` it puts that
+    token before every text, as Llama's tokenizers do."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     by_id = {i: t for t, i in special_ids.items()}
     vocab = {by_id.get(i, f"w{i}"): i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=by_id.get(0, "w0")))  # the word of id 0
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_ids])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad,
-                                   chat_template=QWEN_CHAT_TEMPLATE, model_max_length=1 << 20)
+    if bos is not None:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, special_ids[bos])])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad, bos_token=bos,
+                                   chat_template=chat_template, model_max_length=1 << 20)
 
 
 def write_benchmark_model(name: str, path: str | Path) -> Path:
     """Write config, tokenizer and processor config of a real-size model (no weights) to `path`."""
+    from flashvlm.bench.llava_configs import LLAVA_CONFIGS, write_llava_model
+
+    if name in LLAVA_CONFIGS:
+        return write_llava_model(name, Path(path))
     if name not in CONFIGS:
-        raise ValueError(f"unknown benchmark model {name!r}; known: {sorted(CONFIGS)}")
+        raise ValueError(f"unknown benchmark model {name!r}; known: {benchmark_model_names()}")
     config, special_ids = CONFIGS[name]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -60,6 +69,13 @@ def write_benchmark_model(name: str, path: str | Path) -> Path:
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
     (path / "preprocessor_config.json").write_text(
         json.dumps(qwen_preprocessor_config(min_pixels=56 * 56, max_pixels=28 * 28 * 16384)))
-    tokenizer = _word_tokenizer(config["text_config"]["vocab_size"], special_ids, "<|im_end|>", "<|endoftext|>")
+    tokenizer = word_tokenizer(config["text_config"]["vocab_size"], special_ids, "<|im_end|>", "<|endoftext|>")
     tokenizer.save_pretrained(path)
     return path
+
+
+def benchmark_model_names() -> list[str]:
+    """Every `--benchmark-model` name."""
+    from flashvlm.bench.llava_configs import LLAVA_CONFIGS
+
+    return sorted([*CONFIGS, *LLAVA_CONFIGS])

@@ -54,13 +54,15 @@ def _image_token_id(cfg) -> int:
 
 class LlavaForConditionalGeneration(VLModel):
     uses_mrope = False
+    supported_text_models: tuple[str, ...] = _SUPPORTED_TEXT_MODELS
+    """config.text_config.model_type values the shared decoder runs as they are."""
 
     def __init__(self, hf_config) -> None:
         super().__init__()
         text_cfg, vision_cfg = hf_config.text_config, hf_config.vision_config
-        if getattr(text_cfg, "model_type", "llama") not in _SUPPORTED_TEXT_MODELS:
+        if getattr(text_cfg, "model_type", "llama") not in self.supported_text_models:
             raise ValueError(f"LLaVA text model {text_cfg.model_type!r} is not supported "
-                             f"(supported: {', '.join(_SUPPORTED_TEXT_MODELS)})")
+                             f"(supported: {', '.join(self.supported_text_models)})")
         if getattr(vision_cfg, "model_type", "clip_vision_model") not in _SUPPORTED_VISION_MODELS:
             raise ValueError(f"LLaVA vision model {vision_cfg.model_type!r} is not supported "
                              f"(supported: {', '.join(_SUPPORTED_VISION_MODELS)})")

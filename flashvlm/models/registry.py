@@ -26,6 +26,7 @@ _FAMILIES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "flashvlm.models.families.qwen2_vl:QWEN2_VL",
     "Qwen2_5_VLForConditionalGeneration": "flashvlm.models.families.qwen2_vl:QWEN2_5_VL",
     "LlavaForConditionalGeneration": "flashvlm.models.families.llava:LLAVA",
+    "LlavaNextForConditionalGeneration": "flashvlm.models.families.llava_next:LLAVA_NEXT",
 }
 
 

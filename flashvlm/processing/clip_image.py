@@ -13,10 +13,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from flashvlm.processing.hashing import hash_image, hash_pixels
 from flashvlm.processing.preprocess import (
     PixelSettings,
     SourceImage,
+    cached_preprocess,
     check_image_shape,
     normalize,
     positive_int,
@@ -169,17 +169,8 @@ class ClipImageInputs:
         if kwargs:
             raise InvalidRequestError(f"this model takes no mm_processor_kwargs, got {sorted(kwargs)}")
         proc = self.processor
-        params = proc.processor_params()
-        array = image.array
-        mm_hash = (hash_image(image.pil, params) if array is None
-                   else hash_pixels("RGB", array.shape[1], array.shape[0], params, array))
-        cached = cache.get(mm_hash)
-        if cached is None:
-            # An array becomes a PIL image only to preprocess: a repeat is found by the array's hash.
-            pixels = proc.preprocess(image.to_pil(), device=device)
-            cache.put(mm_hash, pixels, None)
-        else:
-            pixels = cached[0]
+        mm_hash, pixels, _ = cached_preprocess(image, proc.processor_params(), cache,
+                                               lambda pil: (proc.preprocess(pil, device=device), None))
         return MMItem(mm_hash=mm_hash, pixel_values=pixels, num_tokens=self.num_tokens, image_size=image.size)
 
     def profile_item(self) -> MMItem:

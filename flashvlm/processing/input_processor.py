@@ -23,7 +23,7 @@ from flashvlm.processing.images import load_image, rgb_array
 from flashvlm.processing.preprocess import SourceImage
 from flashvlm.processing.tool_prompt import check_tools, with_tools
 from flashvlm.pruning.base import PruningSettingError, kept_count
-from flashvlm.pruning.setting import PRUNING_KWARGS, pruning_for, resolve_setting
+from flashvlm.pruning.setting import NO_GRID_EXAMPLES, PRUNING_KWARGS, pruning_for, resolve_setting
 from flashvlm.request import InvalidRequestError, MMItem
 
 _IMAGE_PART_TYPES = ("image", "image_url", "input_image")
@@ -102,8 +102,8 @@ class InputProcessor:
         if pruning[0] != "none" and self.image_inputs.token_grid(self.image_inputs.profile_item()) is None:
             from flashvlm.config import ConfigError
 
-            raise ConfigError(f"mm_token_pruning {pruning[0]!r}: this model's image tokens form no grid (e.g. LLaVA "
-                              "with vision_feature_select_strategy 'full' keeps the CLS token); use 'none'")
+            raise ConfigError(f"mm_token_pruning {pruning[0]!r}: this model's image tokens form no grid "
+                              f"({NO_GRID_EXAMPLES}); use 'none'")
 
     # ---- prompts -------------------------------------------------------------------------------
     def process(self, prompt: str | dict[str, Any], mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
@@ -155,8 +155,15 @@ class InputProcessor:
                                                   add_generation_prompt=add_generation_prompt,
                                                   **({"tools": template_tools} if template_tools else {}))
         check_unicode(text, "the templated chat")  # a role or template text the message checks did not see
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        token_ids = self.tokenizer.encode(text, add_special_tokens=self._adds_special_tokens(text))
         return self._attach_images(token_ids, images, mm_processor_kwargs or {})
+
+    def _adds_special_tokens(self, templated: str) -> bool:
+        """Whether the tokenizer adds its special tokens (a BOS) to a templated chat: as transformers' processors
+        do, unless the template already starts with the BOS. llava-hf templates do not write one, and their models
+        were trained with it."""
+        bos = self.tokenizer.bos_token
+        return not (bos is not None and templated.startswith(bos))
 
     @staticmethod
     def normalize_messages(messages: Any) -> tuple[list[dict], list[Any]]:

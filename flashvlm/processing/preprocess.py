@@ -11,7 +11,7 @@ CLIP's run there directly (the division may differ by an ulp).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -90,6 +90,23 @@ class PixelSettings:
                 "rescale_factor": float(d.get("rescale_factor", 1 / 255)),
                 "do_resize": bool(d.get("do_resize", True)), "do_rescale": bool(d.get("do_rescale", True)),
                 "do_normalize": bool(d.get("do_normalize", True)), "resample": int(d.get("resample", BICUBIC))}
+
+
+def cached_preprocess(image: SourceImage, params: Mapping[str, Any], cache: PixelCache,
+                      run: Callable[[Image.Image], tuple[Any, Any]]) -> tuple[str, Any, Any]:
+    """(content hash, pixels, layout) of a picture: from the pixel cache, else `run` on its PIL image (an array
+    becomes one only then: a repeat is found by the array's hash) and kept in the cache."""
+    from flashvlm.processing.hashing import hash_image, hash_pixels
+
+    array = image.array
+    mm_hash = (hash_image(image.pil, params) if array is None
+               else hash_pixels("RGB", array.shape[1], array.shape[0], params, array))
+    cached = cache.get(mm_hash)
+    if cached is not None:
+        return mm_hash, *cached
+    pixels, layout = run(image.to_pil())
+    cache.put(mm_hash, pixels, layout)
+    return mm_hash, pixels, layout
 
 
 def check_image_shape(height: int, width: int) -> None:

@@ -74,6 +74,11 @@ class TokenPruning:
         return get_strategy(self.strategy).select(embeddings, self.grid, self.keep_ratio)
 
 
+NO_GRID_EXAMPLES = ("LLaVA-NeXT: a base image, then tiles with a newline token per row; LLaVA with "
+                    "vision_feature_select_strategy 'full': the CLS token")
+"""The families whose image tokens form no grid, for the refusal's message."""
+
+
 def pruning_for(strategy: str, keep_ratio: float, grid: TokenGrid | None, num_tokens: int) -> TokenPruning | None:
     """The item's TokenPruning for a resolved setting, or None when it keeps every one of the tower's
     `num_tokens` (strategy none, or a ratio that keeps all). `grid` None: the family's tokens form no grid."""
@@ -81,7 +86,7 @@ def pruning_for(strategy: str, keep_ratio: float, grid: TokenGrid | None, num_to
         return None
     if grid is None:
         raise PruningSettingError(f"mm_token_pruning {strategy!r}: this model's image tokens form no grid "
-                                  "(e.g. LLaVA with vision_feature_select_strategy 'full' keeps the CLS token)")
+                                  f"({NO_GRID_EXAMPLES}); use 'none'")
     if grid.num_tokens != num_tokens:
         raise ValueError(f"token grid {grid} has {grid.num_tokens} tokens, the vision tower yields {num_tokens}")
     setting = TokenPruning(strategy, keep_ratio, grid)

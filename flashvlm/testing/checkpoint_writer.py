@@ -30,9 +30,10 @@ CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
 def build_tokenizer(special_tokens: list[str], vocab_size: int, chat_template: str, eos: str, bos: str | None,
-                    pad: str | None, corpus: list[str] | None = None):
-    """A byte-level BPE trained on an in-code corpus: deterministic, tiny, and round-trips any text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+                    pad: str | None, corpus: list[str] | None = None, add_bos: bool = False):
+    """A byte-level BPE trained on an in-code corpus: deterministic, tiny, and round-trips any text. `add_bos`: the
+    tokenizer puts `bos` before every text it encodes with special tokens, as Llama's tokenizers do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -41,6 +42,11 @@ def build_tokenizer(special_tokens: list[str], vocab_size: int, chat_template: s
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator((corpus or _CORPUS) * 4, trainer)
+    if add_bos:
+        if bos is None:
+            raise ValueError("add_bos needs a bos token")
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, tok.token_to_id(bos))])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=bos, pad_token=pad,
                                    chat_template=chat_template, model_max_length=1 << 20)
 

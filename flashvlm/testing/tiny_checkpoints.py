@@ -8,6 +8,7 @@ from typing import Any
 
 from flashvlm.testing.checkpoint_writer import build_tokenizer, save_checkpoint
 from flashvlm.testing.tiny_llava import LLAVA_CHAT_TEMPLATE, LLAVA_SPECIAL_TOKENS, build_llava
+from flashvlm.testing.tiny_llava_next import build_llava_next
 from flashvlm.testing.tiny_qwen import (
     QWEN_CHAT_TEMPLATE,
     QWEN_SPECIAL_TOKENS,
@@ -17,7 +18,8 @@ from flashvlm.testing.tiny_qwen import (
 
 __all__ = [
     "LLAVA_CHAT_TEMPLATE", "LLAVA_SPECIAL_TOKENS", "QWEN_CHAT_TEMPLATE", "QWEN_SPECIAL_TOKENS", "build_llava",
-    "build_qwen2_vl", "build_tiny", "build_tokenizer", "qwen_preprocessor_config", "save_checkpoint",
+    "build_llava_next", "build_qwen2_vl", "build_tiny", "build_tokenizer", "qwen_preprocessor_config",
+    "save_checkpoint",
 ]
 
 

@@ -21,12 +21,13 @@ LLAVA_CHAT_TEMPLATE = (
 
 
 def build_llava(path: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2, image_size: int = 56,
-                shard_size: str | None = None, dtype: torch.dtype = torch.float32) -> Path:
-    """A tiny llava-hf style LLaVA-1.5 checkpoint (CLIP ViT + GELU projector + Llama)."""
+                shard_size: str | None = None, dtype: torch.dtype = torch.float32, add_bos: bool = False) -> Path:
+    """A tiny llava-hf style LLaVA-1.5 checkpoint (CLIP ViT + GELU projector + Llama). `add_bos`: a tokenizer
+    that adds `<s>` as llava-hf's Llama tokenizers do (their chat templates write none)."""
     from transformers import CLIPVisionConfig, GenerationConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     tokenizer = build_tokenizer(LLAVA_SPECIAL_TOKENS, 480, LLAVA_CHAT_TEMPLATE, eos="</s>", bos="<s>",
-                                pad="<pad>")
+                                pad="<pad>", add_bos=add_bos)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in LLAVA_SPECIAL_TOKENS}
     text = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,

@@ -13,13 +13,16 @@ import torch
 from PIL import Image
 
 from flashvlm import LLM
-from flashvlm.testing.tiny_checkpoints import build_llava, build_qwen2_vl
+from flashvlm.testing.tiny_checkpoints import build_llava, build_llava_next, build_qwen2_vl
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next"]
 PLACEHOLDER = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>\n"}
-BARE_PLACEHOLDER = {"qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>", "llava": "<image>"}
-# (width, height): one kept as it is, one resized up, one resized down (Qwen) or cropped (LLaVA)
+               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>\n",
+               "llava_next": "<image>\n"}
+BARE_PLACEHOLDER = {"qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>", "llava": "<image>",
+                    "llava_next": "<image>"}
+# (width, height): one kept as it is, one resized up, one resized down (Qwen) or cropped (LLaVA); for LLaVA-NeXT
+# three tile grids, each with padding rows or columns dropped
 SIZES = ((56, 112), (80, 60), (300, 200))
 
 
@@ -50,11 +53,18 @@ def _video_processor_stand_in(monkeypatch: pytest.MonkeyPatch):
 def _hf_processor(name: str, path, hf_config):
     """HF's processor with its PIL image processor, which is what we match (the torchvision "fast" ones resize
     differently and AutoProcessor picks them wherever torchvision is installed, e.g. on the GPU machine)."""
-    from transformers import AutoTokenizer, LlavaProcessor, Qwen2_5_VLProcessor, Qwen2VLProcessor
+    from transformers import AutoTokenizer, LlavaNextProcessor, LlavaProcessor, Qwen2_5_VLProcessor, Qwen2VLProcessor
     from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if name == "llava_next":
+        return LlavaNextProcessor(image_processor=LlavaNextImageProcessorPil.from_pretrained(path),
+                                  tokenizer=tokenizer, chat_template=tokenizer.chat_template,
+                                  patch_size=hf_config.vision_config.patch_size,
+                                  vision_feature_select_strategy=hf_config.vision_feature_select_strategy,
+                                  num_additional_image_tokens=1)
     if name == "llava":
         # llava-hf folders carry these in processor_config.json; the tiny checkpoint has none, and without
         # patch_size HF leaves <image> unexpanded.
@@ -72,8 +82,14 @@ def _hf_processor(name: str, path, hf_config):
 def family(request, tmp_path_factory):
     name = request.param
     folder = tmp_path_factory.mktemp(name)
-    path = build_llava(folder, seed=31) if name == "llava" else build_qwen2_vl(folder, seed=31,
-                                                                              qwen25=name == "qwen2_5_vl")
+    # LLaVA's tokenizer adds <s> as llava-hf's do, and its chat template writes none (the BOS case of
+    # test_chat_matches_hf_processor).
+    if name == "llava_next":
+        path = build_llava_next(folder, seed=31)  # its tokenizer adds <s> too
+    elif name == "llava":
+        path = build_llava(folder, seed=31, add_bos=True)
+    else:
+        path = build_qwen2_vl(folder, seed=31, qwen25=name == "qwen2_5_vl")
     llm = LLM(str(path), device="cpu", kv_cache_tokens=1024)
     return name, llm, _hf_processor(name, path, llm.engine.model.config)
 
@@ -81,6 +97,14 @@ def family(request, tmp_path_factory):
 def _assert_same(name: str, ours, hf) -> None:
     assert ours.prompt_token_ids == hf["input_ids"][0].tolist()
     items = ours.mm_items
+    if name == "llava_next":
+        # HF pads a batch's images to one crop count with zeros; each of ours has its own.
+        assert [[it.image_size[1], it.image_size[0]] for it in items] == hf["image_sizes"].tolist()
+        for i, it in enumerate(items):
+            n = it.pixel_values.shape[0]
+            torch.testing.assert_close(it.pixel_values, hf["pixel_values"][i, :n], atol=1e-5, rtol=0)
+            assert not hf["pixel_values"][i, n:].any()
+        return
     if name == "llava":
         pixels = torch.stack([torch.as_tensor(it.pixel_values) for it in items])
     else:
@@ -106,15 +130,19 @@ def test_raw_prompt_matches_hf_processor(family, case) -> None:
 
 
 def test_chat_matches_hf_processor(family) -> None:
+    """The processor's own apply_chat_template, tokenized: it adds the tokenizer's BOS where the template writes
+    none (LLaVA here), so ours must too."""
     name, llm, hf_processor = family
     images = [_image(size, 10 + seed) for seed, size in enumerate(SIZES[:2])]
     content = [{"type": "text", "text": "Two pictures:"}, {"type": "image"}, {"type": "image"},
                {"type": "text", "text": "Which is brighter?"}]
-    text = hf_processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                            tokenize=False)
-    hf = hf_processor(text=text, images=[Image.fromarray(a) for a in images], return_tensors="pt",
-                      add_special_tokens=False)
+    hf_content = [part if part["type"] == "text" else {"type": "image", "image": Image.fromarray(images[i // 2])}
+                  for i, part in enumerate(content)]
+    hf = hf_processor.apply_chat_template([{"role": "user", "content": hf_content}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=True, return_tensors="pt")
     ours_content = [part if part["type"] == "text" else {"type": "image", "image": images.pop(0)}
                     for part in content]
     ours = llm.engine.process_chat([{"role": "user", "content": ours_content}])
+    if name.startswith("llava"):
+        assert ours.prompt_token_ids[0] == llm.engine.input_processor.tokenizer.bos_token_id
     _assert_same(name, ours, hf)

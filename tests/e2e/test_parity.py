@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from flashvlm import LLM, SamplingParams
-from flashvlm.testing.tiny_checkpoints import build_llava, build_qwen2_vl
+from flashvlm.testing.tiny_checkpoints import build_llava, build_llava_next, build_qwen2_vl
 
 # "demo" is the shipped demo checkpoint (flashvlm/demo/checkpoint): trained weights, a Qwen2-VL architecture.
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "demo"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "demo"]
 PLACEHOLDER = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>\n",
-               "demo": "<|vision_start|><|image_pad|><|vision_end|>"}
+               "llava_next": "<image>\n", "demo": "<|vision_start|><|image_pad|><|vision_end|>"}
 MAX_TOKENS = 10
 
 
@@ -25,18 +25,15 @@ class Family:
     """A tiny checkpoint of one family, its transformers reference, and helpers to run both."""
 
     def __init__(self, name: str, path) -> None:
-        from transformers import (
-            AutoConfig,
-            LlavaForConditionalGeneration,
-            Qwen2_5_VLForConditionalGeneration,
-            Qwen2VLForConditionalGeneration,
-        )
+        from transformers import AutoConfig
+
+        from flashvlm.models.registry import resolve_family
 
         self.name, self.path = name, str(path)
-        cls = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
-               "llava": LlavaForConditionalGeneration, "demo": Qwen2VLForConditionalGeneration}[name]
-        self.hf = cls.from_pretrained(self.path, dtype=torch.float32).eval()
         self.config = AutoConfig.from_pretrained(self.path)
+        self.entry = resolve_family(self.config.architectures)
+        """The family's registry entry: its transformers class and the image arguments that class takes."""
+        self.hf = self.entry.baseline_model_class().from_pretrained(self.path, dtype=torch.float32).eval()
 
     def prompt(self, text: str, n_images: int, sizes=((56, 112), (140, 84))) -> dict:
         images = [_image(*sizes[i % len(sizes)], seed=i + len(text)) for i in range(n_images)]
@@ -46,13 +43,9 @@ class Family:
         processed = llm.engine.process_prompt(prompt)
         ids = torch.tensor([processed.prompt_token_ids])
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        items = processed.mm_items
-        if items and self.name == "llava":
-            inputs["pixel_values"] = torch.stack([it.pixel_values for it in items])
-        elif items:
-            inputs["pixel_values"] = torch.cat([it.model_pixels() for it in items])
-            inputs["image_grid_thw"] = torch.tensor([it.layout for it in items])
-            inputs["mm_token_type_ids"] = (ids == llm.engine.model.image_token_id).long()
+        if processed.mm_items:
+            inputs.update(self.entry.baseline_image_inputs(processed.mm_items, ids, inputs["attention_mask"],
+                                                           llm.engine.model.image_token_id, "cpu"))
         return inputs
 
     @torch.inference_mode()
@@ -87,6 +80,8 @@ def family(request, tmp_path_factory) -> Family:
     path = tmp_path_factory.mktemp(request.param)
     if request.param == "llava":
         build_llava(path, seed=3)
+    elif request.param == "llava_next":
+        build_llava_next(path, seed=3)
     else:
         build_qwen2_vl(path, qwen25=request.param == "qwen2_5_vl", seed=3)
     return Family(request.param, path)
@@ -118,6 +113,12 @@ def test_two_images_non_square(family: Family) -> None:
     _check(family, _llm(family), [family.prompt("Compare them.", 2, sizes=((56, 112), (140, 84)))])
 
 
+def test_aspects(family: Family) -> None:
+    """Wide, tall and landscape pictures in one prompt: LLaVA-NeXT picks a different tile grid for each and drops
+    different padding rows or columns; Qwen's grids differ."""
+    _check(family, _llm(family), [family.prompt("Which is widest?", 3, sizes=((250, 60), (60, 170), (200, 150)))])
+
+
 def test_text_only(family: Family) -> None:
     _check(family, _llm(family), [{"prompt": "How many triangles are in the picture?"}])
 
@@ -136,8 +137,11 @@ def test_chunked_prefill(family: Family) -> None:
 
 def test_preemption(family: Family) -> None:
     prompts = [family.prompt(f"Question number {i}: what is shown?", 1, sizes=((84, 84),)) for i in range(6)]
-    # 6 blocks of 16 tokens: one request alone fits (< 64 tokens), two growing side by side do not.
-    llm = _llm(family, kv_cache_tokens=96, block_size=16, max_num_batched_tokens=64)
+    # Blocks of 16 tokens for one request's prompt and 20 new tokens (6 where the image takes < 64 tokens;
+    # LLaVA-NeXT's tiles take more): one request alone fits, two growing side by side do not.
+    probe = _llm(family)
+    longest = max(len(probe.engine.process_prompt(p).prompt_token_ids) for p in prompts) + 20
+    llm = _llm(family, kv_cache_tokens=max(96, 16 * -(-longest // 16)), block_size=16, max_num_batched_tokens=64)
     _check(family, llm, prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     assert llm.engine.scheduler.num_preemptions_total > 0
     assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.scheduler.block_manager.num_usable_blocks

@@ -13,7 +13,7 @@ from flashvlm.config import ConfigError
 from flashvlm.pruning.base import TokenGrid
 from flashvlm.pruning.pool import pool_indices
 from flashvlm.request import InvalidRequestError
-from flashvlm.testing.tiny_checkpoints import build_llava, build_qwen2_vl
+from flashvlm.testing.tiny_checkpoints import build_llava, build_llava_next, build_qwen2_vl
 
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 LLAVA_IMAGE = "<image>\n"
@@ -218,6 +218,19 @@ def test_image_tokens_that_form_no_grid_are_not_pruned(llava: str) -> None:
         llm.generate([_prompt(_image(8), placeholder=LLAVA_IMAGE, mm_token_pruning="pool")], _greedy(2))
     out = llm.generate([_prompt(_image(8), placeholder=LLAVA_IMAGE)], _greedy(2))[0]
     assert out.num_image_tokens == out.num_image_tokens_kept == 17
+
+
+def test_llava_next_tiles_are_not_pruned(tmp_path) -> None:
+    """LLaVA-NeXT's tokens (base image, then unpadded tiles with a newline per row) form no grid: pruning is refused
+    by name, for the engine and for a request, and unpruned requests run."""
+    path = str(build_llava_next(tmp_path, seed=7))
+    with pytest.raises(ConfigError, match="LLaVA-NeXT"):
+        _llm(path, mm_token_pruning="divprune", mm_token_keep_ratio=0.5)
+    llm = _llm(path)
+    with pytest.raises(InvalidRequestError, match="form no grid.*LLaVA-NeXT"):
+        llm.generate([_prompt(_image(8), placeholder=LLAVA_IMAGE, mm_token_pruning="pool")], _greedy(2))
+    out = llm.generate([_prompt(_image(8), placeholder=LLAVA_IMAGE)], _greedy(2))[0]
+    assert len(out.token_ids) == 2 and out.num_image_tokens == out.num_image_tokens_kept > 16
 
 
 def _count_encoder_calls(llm: LLM) -> list[int]:

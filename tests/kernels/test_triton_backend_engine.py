@@ -14,18 +14,21 @@ import torch
 pytest.importorskip("triton")
 
 from flashvlm import LLM, SamplingParams  # noqa: E402
-from flashvlm.testing.tiny_checkpoints import build_qwen2_vl  # noqa: E402
+from flashvlm.models.registry import resolve_family  # noqa: E402
+from flashvlm.testing.tiny_checkpoints import build_qwen2_vl, build_tiny  # noqa: E402
 
 pytestmark = pytest.mark.slow  # engine runs through the Triton interpreter: minutes on 2 cores
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def test_triton_backend_matches_reference(tmp_path) -> None:
+@pytest.mark.parametrize("architecture", ["Qwen2VLForConditionalGeneration", "LlavaNextForConditionalGeneration"])
+def test_triton_backend_matches_reference(tmp_path, architecture: str) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    path = str(build_qwen2_vl(tmp_path / "m", seed=13))
+    path = str(build_tiny(architecture, tmp_path / "m", seed=13))
+    image = resolve_family([architecture]).image_placeholder
     rng = np.random.default_rng(1)
-    prompts = [{"prompt": IMG + "Describe the picture.", "images": [rng.integers(0, 256, (56, 84, 3), np.uint8)]},
+    prompts = [{"prompt": image + "Describe the picture.", "images": [rng.integers(0, 256, (56, 84, 3), np.uint8)]},
                {"prompt": "A text-only question of a different length?"}]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outs = {}
