@@ -70,7 +70,7 @@ class OutputSlot:
         elif isinstance(item, BaseException):
             self.error = item
         else:
-            new = len(item.token_ids) - len(self.token_times)
+            new = item.num_output_tokens - len(self.token_times)
             if new > 0:
                 self.token_times.extend([t] * new)
             self.latest = item

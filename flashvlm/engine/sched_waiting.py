@@ -124,10 +124,14 @@ class WaitingAdmission:
 
     def _waits_for_in_flight(self, req: Request, num_cached_blocks: int) -> bool:
         """Worth waiting only for a long shared run (an image's placeholders, a long document): a short one
-        (a shared system prompt) would cost a step of latency to save little."""
+        (a shared system prompt) would cost a step of latency to save little. A sample of an n-request always
+        waits: its prompt is the one a sibling computes, and computing it again is the very cost n > 1 avoids."""
         wait = self.config.shared_prefix_wait_tokens
         bm = self.block_manager
-        return wait > 0 and bm.num_in_flight_blocks(req, num_cached_blocks) * bm.block_size >= wait
+        in_flight = bm.num_in_flight_blocks(req, num_cached_blocks)
+        if req.parent_id is not None:
+            return in_flight > 0
+        return wait > 0 and in_flight * bm.block_size >= wait
 
     def _admitted(self, req: Request, num_hit: int) -> None:
         req.num_computed_tokens = num_hit
