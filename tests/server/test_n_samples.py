@@ -131,8 +131,17 @@ def test_completions_n_streamed_and_not(live: LiveServer, client: openai.OpenAI)
         assert tokens[c.index] == c.logprobs.tokens and offsets[c.index] == c.logprobs.text_offset
 
 
-def test_client_leaving_mid_stream_frees_every_sample(live: LiveServer) -> None:
+def test_client_leaving_mid_stream_frees_every_sample(live: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
     live.wait_idle()
+    scheduler = live.engine.engine.scheduler
+    ended: list[tuple[str, str]] = []  # (scheduler id, status) of every sample that leaves the scheduler
+    finish = scheduler._finish
+
+    def recording_finish(req: Any, status: Any) -> None:
+        ended.append((req.request_id, status.value))
+        finish(req, status)
+
+    monkeypatch.setattr(scheduler, "_finish", recording_finish)
     baseline = live.engine.stats()
     assert baseline["num_free_blocks"] == baseline["num_usable_blocks"]
     body = {"model": MODEL, "messages": _messages(103), "max_tokens": 150, "n": 4, "stream": True,
@@ -150,7 +159,11 @@ def test_client_leaving_mid_stream_frees_every_sample(live: LiveServer) -> None:
     stats = live.wait_idle()
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
     assert stats["num_free_blocks"] == stats["num_usable_blocks"], "the aborted samples' blocks must be freed"
-    assert not live.engine.engine.scheduler.requests
+    assert not scheduler.requests
+    # Every sample was aborted, none ran on to its max_tokens after the client left.
+    assert sorted(status for _, status in ended) == ["abort"] * 4
+    base = min((rid for rid, _ in ended), key=len)
+    assert sorted(rid for rid, _ in ended) == [base, f"{base}#1", f"{base}#2", f"{base}#3"]
 
 
 @pytest.mark.parametrize("n", [0, -3, 1.5, "4", 17])
