@@ -45,7 +45,10 @@ def test_chat_n_with_an_image_computes_the_prompt_once(live: LiveServer, client:
     bs = live.engine.engine.config.cache.block_size
     hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
     queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
-    assert queries == 4 * p and hits == 3 * ((p - 1) // bs * bs), "samples 1..3 share sample 0's prompt blocks"
+    # Sample 0 may find the chat template's opening block cached from other requests; it computes the rest once.
+    cached = out.usage.prompt_tokens_details.cached_tokens
+    assert cached < p - bs
+    assert queries == 4 * p and hits == cached + 3 * ((p - 1) // bs * bs), "samples 1..3 share sample 0's prompt"
     assert after["images_encoded"] - before["images_encoded"] == 1
     again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, n=4, seed=7,
                                            temperature=1.0, extra_body={"ignore_eos": True})
