@@ -69,6 +69,25 @@ def test_prompt_is_computed_once_for_n_samples(llm: LLM) -> None:
     _assert_clean(llm)
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_prefill_tokens_once_with_or_without_prefix_caching(ckpt: str, prefix_caching: bool) -> None:
+    # Without prefix caching the samples share sample 0's full prompt blocks directly.
+    fresh = _llm(ckpt, enable_prefix_caching=prefix_caching)
+    fresh.engine.step_log = []
+    prompt = _prompt(21, "A longer question about the picture, so that the prompt spans several blocks of KV.")
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    (four,) = fresh.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=4))
+    p = len(four.prompt_token_ids)
+    shared = (p - 1) // BS * BS
+    assert sum(r.num_prefill_tokens for r in fresh.engine.step_log) == p + 3 * (p - shared) < 2 * p
+    assert sum(r.num_images for r in fresh.engine.step_log) == 1
+    assert fresh.engine.stats()["images_encoded"] == 1
+    _assert_clean(fresh)
+    fresh.engine.step_log = None
+    cold = _llm(ckpt, enable_prefix_caching=False, encoder_cache_tokens=0)
+    assert [c.token_ids for c in four.outputs] == [cold.generate(prompt, greedy)[0].token_ids] * 4
+
+
 def test_seeded_samples_repeat_exactly_and_differ_from_each_other(llm: LLM) -> None:
     prompt = _prompt(12)
     first = llm.generate(prompt, _sampled(4, seed=123))[0]
@@ -149,9 +168,10 @@ def test_sample_ids_never_collide(llm: LLM) -> None:
     _assert_clean(llm)
 
 
-def test_preempted_samples_resume_and_match_greedy(ckpt: str) -> None:
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_preempted_samples_resume_and_match_greedy(ckpt: str, prefix_caching: bool) -> None:
     # 12 blocks of 8: four samples of 13 + 40 tokens cannot all hold their KV at once.
-    small = _llm(ckpt, kv_cache_tokens=12 * BS)
+    small = _llm(ckpt, kv_cache_tokens=12 * BS, enable_prefix_caching=prefix_caching)
     prompt = {"prompt": "The quick brown fox jumps over the lazy dog"}
     greedy = dict(temperature=0.0, max_tokens=40, ignore_eos=True)
     one = small.generate(prompt, SamplingParams(**greedy))[0]
