@@ -158,8 +158,8 @@ class OpenAIServing:
             span = self.tracer.start_request_span(base_id, raw.headers.get("traceparent"), attrs, start_time=arrival)
         if not self.settings.disable_log_requests:
             logger.info("request %s (engine id %s): tier=%s priority=%d prompt_tokens=%d images=%d max_tokens=%d "
-                        "stream=%s", base_id, engine_id, tier, priority, len(processed.prompt_token_ids),
-                        len(processed.mm_items), params.max_tokens, req.stream)
+                        "n=%d stream=%s", base_id, engine_id, tier, priority, len(processed.prompt_token_ids),
+                        len(processed.mm_items), params.max_tokens, params.n, req.stream)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _Started(stream, base_id, model, tier, params, span, include_usage)
 

@@ -53,6 +53,8 @@ def gen_ai_request_attributes(model: str, sampling_params: SamplingParams | None
             attrs["gen_ai.request.seed"] = sp.seed
         if sp.stop:
             attrs["gen_ai.request.stop_sequences"] = list(sp.stop)
+        if sp.n != 1:
+            attrs["gen_ai.request.choice.count"] = sp.n
     if stream is not None:
         attrs["gen_ai.request.stream"] = stream
     return attrs

@@ -176,3 +176,26 @@ def test_bad_n_is_a_400(live: LiveServer, n: Any) -> None:
         r = httpx.post(live.v1 + path, json={"model": MODEL, **body, "n": n}, timeout=30)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "n"
+
+
+def _metric_sums(live: LiveServer) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(live.base_url + "/metrics", timeout=30)
+    sums: dict[str, float] = defaultdict(float)
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            sums[s.name] += s.value
+    return sums
+
+
+def test_metrics_count_one_request_and_every_completion_token(live: LiveServer, client: openai.OpenAI) -> None:
+    live.wait_idle()
+    before = _metric_sums(live)
+    out = client.completions.create(model=MODEL, prompt="Metrics for a request with three samples", max_tokens=5,
+                                    n=3, temperature=1.0, extra_body={"ignore_eos": True})
+    live.wait_idle()
+    after = _metric_sums(live)
+    assert after["flashvlm:request_success_total"] - before["flashvlm:request_success_total"] == 1
+    assert after["flashvlm:generation_tokens_total"] - before["flashvlm:generation_tokens_total"] == 15
+    assert after["flashvlm:prompt_tokens_total"] - before["flashvlm:prompt_tokens_total"] == out.usage.prompt_tokens
