@@ -133,6 +133,8 @@ class Engine:
     def add_processed(self, processed: ProcessedPrompt, sampling_params: SamplingParams | None = None,
                       request_id: str | None = None, priority: int = 0,
                       arrival_time: float | None = None, group: str | None = None) -> Request:
+        """Queue a request; with SamplingParams.n > 1 as n samples (sample_request_id), of which the first, which
+        carries `request_id`, is returned. Outputs and abort_request use `request_id` for all of them."""
         params = sampling_params or self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")

@@ -199,3 +199,25 @@ def test_metrics_count_one_request_and_every_completion_token(live: LiveServer, 
     assert after["flashvlm:request_success_total"] - before["flashvlm:request_success_total"] == 1
     assert after["flashvlm:generation_tokens_total"] - before["flashvlm:generation_tokens_total"] == 15
     assert after["flashvlm:prompt_tokens_total"] - before["flashvlm:prompt_tokens_total"] == out.usage.prompt_tokens
+
+
+def test_a_fault_in_one_sample_fails_the_request_and_frees_every_sample(live: LiveServer,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = live.engine.engine.runner
+    real = runner.execute
+
+    def faulty(out: Any) -> Any:  # only once sample 2 runs, after sample 0 computed the prompt
+        if any(s.request.request_id.startswith("boomn-") and s.request.request_id.endswith("#2")
+               for s in out.scheduled):
+            raise RuntimeError("injected fault")
+        return real(out)
+
+    monkeypatch.setattr(runner, "execute", faulty)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 4, "n": 3,
+            "request_id": "boomn-1"}
+    r = httpx.post(live.v1 + "/chat/completions", json=body, timeout=30)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+    stats = live.wait_idle()
+    assert stats["num_free_blocks"] == stats["num_usable_blocks"] and not live.engine.engine.scheduler.requests
+    ok = httpx.post(live.v1 + "/chat/completions", json={**body, "request_id": "fine-1"}, timeout=30)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 3
