@@ -138,7 +138,9 @@ def test_request_output_fields_read_the_first_completion(llm: LLM) -> None:
 
 def test_stats_count_one_request_and_abort_ends_every_sample(llm: LLM) -> None:
     eng = llm.engine
-    eng.add_request(_prompt(17), _sampled(4, max_tokens=50), request_id="fan")
+    eng.add_request(_prompt(17), _sampled(4, max_tokens=50), request_id="fan", priority=2)
+    stats = eng.stats()
+    assert (stats["num_running"], stats["num_waiting"]) == (0, 1) and eng.waiting_by_priority() == {2: 1}
     seen = []
     for _ in range(4):
         outs = eng.step()
@@ -147,6 +149,7 @@ def test_stats_count_one_request_and_abort_ends_every_sample(llm: LLM) -> None:
         assert [o.request_id for o in outs] in ([], ["fan"])
     assert seen[0] == (1, 0) and all(s == (1, 0) for s in seen), seen
     assert eng.running_request_ids() == ["fan"] and eng.unfinished_request_ids() == ["fan"]
+    assert eng.waiting_by_priority() == {}  # a request waits only while none of its samples runs
     assert len(eng.scheduler.requests) == 4
     out = eng.abort_request("fan")
     assert out is not None and out.finished and len(out.outputs) == 4
