@@ -95,6 +95,7 @@ class _SamplingFields(_Request):
     n: StrictInt = Field(1, ge=1, le=MAX_NUM_SAMPLES,
                          description=f"completions (choices) to generate, 1..{MAX_NUM_SAMPLES}; the prompt is "
                                      "computed once and shared")
+    best_of: int | None = Field(None, description="vLLM's; only n (or left out): ranking samples is not supported")
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -119,6 +120,9 @@ class _SamplingFields(_Request):
     sla_tier: str | None = Field(None, description="SLA tier name (or the x-sla-tier header)")
 
     def common_checks(self) -> None:
+        if self.best_of not in (None, self.n):
+            raise bad_request(f"best_of={self.best_of} is not supported (ranking best_of samples to return n): leave "
+                              "it out or set it to n", "best_of")
         if self.presence_penalty != 0.0:
             raise bad_request("presence_penalty is not supported (only 0); use repetition_penalty", "presence_penalty")
         if self.frequency_penalty != 0.0:
@@ -191,7 +195,6 @@ class CompletionRequest(_SamplingFields):
     NULL_IS_A_VALUE: ClassVar[frozenset[str]] = frozenset({"max_tokens"})  # as OpenAI and vLLM read it
     echo: bool = Field(False, description="not supported")
     suffix: str | None = Field(None, description="not supported")
-    best_of: int | None = Field(None, description="only n (or left out): ranking samples is not supported")
     logprobs: int | None = Field(None, description=f"0..{MAX_LOGPROBS}: each token's log-probability and those "
                                                    "of the most likely tokens")
 
@@ -213,9 +216,6 @@ class CompletionRequest(_SamplingFields):
             raise bad_request("echo is not supported", "echo")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        if self.best_of not in (None, self.n):
-            raise bad_request(f"best_of={self.best_of} is not supported (ranking best_of samples to return n): leave "
-                              "it out or set it to n", "best_of")
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs

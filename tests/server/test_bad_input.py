@@ -90,6 +90,7 @@ CASES: list[tuple[str, str, Any, int, str]] = [
     ("n-above-max", CHAT, _chat(n=MAX_NUM_SAMPLES + 1), 400, "n: "),
     ("completion-n-above-max", COMPLETIONS, {"model": MODEL, "prompt": "a", "n": MAX_NUM_SAMPLES + 1}, 400, "n: "),
     ("completion-best-of", COMPLETIONS, {"model": MODEL, "prompt": "a", "n": 2, "best_of": 3}, 400, "best_of=3"),
+    ("chat-best-of", CHAT, _chat(best_of=2), 400, "best_of=2"),
     ("top-logprobs-above-20", CHAT, _chat(logprobs=True, top_logprobs=21), 400, "top_logprobs must be"),
     ("top-logprobs-negative", CHAT, _chat(logprobs=True, top_logprobs=-1), 400, "top_logprobs must be"),
     ("top-logprobs-without-logprobs", CHAT, _chat(top_logprobs=2), 400, "needs logprobs: true"),

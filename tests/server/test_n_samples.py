@@ -221,3 +221,8 @@ def test_a_fault_in_one_sample_fails_the_request_and_frees_every_sample(live: Li
     assert stats["num_free_blocks"] == stats["num_usable_blocks"] and not live.engine.engine.scheduler.requests
     ok = httpx.post(live.v1 + "/chat/completions", json={**body, "request_id": "fine-1"}, timeout=30)
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 3
+
+
+def test_best_of_equal_to_n_is_served(client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt="Two samples", max_tokens=3, n=2, best_of=2)
+    assert [c.index for c in out.choices] == [0, 1]
