@@ -1,6 +1,6 @@
 """flashvlm: a fast inference engine and server for vision-language models."""
 
-from flashvlm.request import InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
+from flashvlm.request import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
 
 __version__ = "0.1.0"
 
@@ -14,4 +14,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "TokenLogprobs", "InvalidRequestError", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TokenLogprobs",
+           "InvalidRequestError", "__version__"]

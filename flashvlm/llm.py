@@ -41,7 +41,8 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  priority: Sequence[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """A prompt is text, `{"prompt": text, "images": [...]}` or `{"prompt_token_ids": [...], "images": [...]}`;
-        text carries one image placeholder per image (e.g. <|vision_start|><|image_pad|><|vision_end|>)."""
+        text carries one image placeholder per image (e.g. <|vision_start|><|image_pad|><|vision_end|>). One
+        RequestOutput per prompt, in prompt order, with SamplingParams.n completions in its `outputs`."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         return self._run([functools.partial(self.engine.process_prompt, p) for p in prompts], sampling_params,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,9 @@ cut-off as the server's request parsing (and vLLM's)."""
 MAX_LOGPROBS = 20
 """Most top log-probabilities one request may ask for per token (OpenAI's top_logprobs bound, vLLM's default)."""
 
+MAX_NUM_SAMPLES = 16
+"""Largest SamplingParams.n: the samples share the prompt's KV, but each holds a sequence of its own in the batch."""
+
 
 @dataclass
 class SamplingParams:
@@ -47,6 +51,9 @@ class SamplingParams:
     """Return, for every output token, its log-probability and those of the `logprobs` most likely tokens
     (0: the sampled token's only); None: no log-probabilities. Taken from the model's raw logits, before
     repetition penalty, temperature and the top-k/p filters, as vLLM does."""
+    n: int = 1
+    """Completions to generate for the prompt (1..MAX_NUM_SAMPLES). The prompt is computed once and its KV blocks
+    shared by the samples; with a `seed`, sample i draws from `sample_seed(seed, i)`."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,9 +89,21 @@ class SamplingParams:
             raise bad("stop must be a list of non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative integers")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_NUM_SAMPLES:
+            raise bad(f"n must be an integer in [1, {MAX_NUM_SAMPLES}], got {self.n!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a seeded request with n > 1: sample 0 keeps the request's seed (so it repeats
+    the n=1 request), the others get a 63-bit digest of (seed, index), so no two samples, and no sample and another
+    request's plain seed, are likely to share draws."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass
@@ -156,6 +175,9 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     group: str | None = None
     """Scheduling group (the server's SLA tier), for SchedulerConfig.max_running_per_group."""
+    parent_id: str | None = None
+    """Set on the samples of a request with n > 1: the id the caller gave (sample 0 carries that id itself, sample
+    i the id `f"{parent_id}#{i}"`). The scheduler holds a sibling back while another computes their shared prompt."""
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -219,24 +241,16 @@ class TokenLogprobs:
 
 
 @dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
+class CompletionOutput:
+    """One of a request's n completions (samples)."""
+
+    index: int
+    """0..n-1: the sample's place in RequestOutput.outputs (the OpenAI choice index)."""
     token_ids: list[int]
     text: str
     finish_reason: str | None
     """'stop' | 'length' | 'abort', None while running."""
-    arrival_time: float
-    first_token_time: float | None
-    finish_time: float | None
-    num_cached_tokens: int = 0
     stop_reason: int | str | None = None
-    stages: dict[str, float] = field(default_factory=dict)
-    """Seconds per pipeline stage, filled when the request finishes (see Request.stage_times)."""
-    num_image_tokens: int = 0
-    """Image tokens of the prompt as the vision tower yields them (before pruning)."""
-    num_image_tokens_kept: int = 0
-    """Of those, the tokens the language model saw (all of them unless pruned)."""
     logprobs: list[TokenLogprobs] | None = None
     """One entry per token of `token_ids` when SamplingParams.logprobs is set; None otherwise."""
 
@@ -244,6 +258,61 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+
+@dataclass
+class RequestOutput:
+    """A request's state so far: its prompt, once, and its SamplingParams.n completions in `outputs`. The
+    completion fields (`text`, `token_ids`, `finish_reason`, `stop_reason`, `logprobs`) read the first
+    completion: the whole answer of an n=1 request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    arrival_time: float
+    first_token_time: float | None
+    """When the first token of any completion was sampled."""
+    finish_time: float | None
+    """When the last completion finished."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV the first sample found in the prefix cache (the others share the prompt it
+    computed)."""
+    stages: dict[str, float] = field(default_factory=dict)
+    """Seconds per pipeline stage, filled when the request finishes (see Request.stage_times; with n > 1, those of
+    the sample that finished last)."""
+    num_image_tokens: int = 0
+    """Image tokens of the prompt as the vision tower yields them (before pruning)."""
+    num_image_tokens_kept: int = 0
+    """Of those, the tokens the language model saw (all of them unless pruned)."""
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)
+
     @property
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far, over all completions."""
+        return sum(len(o.token_ids) for o in self.outputs)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return self.outputs[0].logprobs

@@ -170,6 +170,11 @@ class BlockManager:
         """A copy of the request's block table (the live list keeps growing)."""
         return list(self._req_block_ids.get(request_id, ()))
 
+    def blocks_of(self, request_id: str) -> list[KVBlock]:
+        """A copy of the request's block list (to share its head with a request that owns none: allocate_slots'
+        `prefix`)."""
+        return list(self._req_blocks.get(request_id, ()))
+
     def num_blocks_of(self, request_id: str) -> int:
         return len(self._req_block_ids.get(request_id, ()))
 

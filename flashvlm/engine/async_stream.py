@@ -62,7 +62,8 @@ class OutputSlot:
         self.accepted = False
         self.done = False
         self.token_times: list[float] = []
-        """Wall time at which each output token left the engine (for inter-token latency)."""
+        """Wall time at which each output token left the engine (for inter-token latency); with n completions, each
+        step of the longest one (the samples decode side by side, so their tokens of one step share a time)."""
 
     def push(self, item: Any, t: float) -> None:
         if item is ACCEPTED:
@@ -70,7 +71,7 @@ class OutputSlot:
         elif isinstance(item, BaseException):
             self.error = item
         else:
-            new = len(item.token_ids) - len(self.token_times)
+            new = max(len(o.token_ids) for o in item.outputs) - len(self.token_times)
             if new > 0:
                 self.token_times.extend([t] * new)
             self.latest = item

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ from flashvlm.cache.encoder_cache import EncoderCacheManager
 from flashvlm.config import EngineConfig
 from flashvlm.engine.detokenizer import IncrementalDetokenizer
 from flashvlm.engine.limits import EngineLimits, resolve_max_model_len
+from flashvlm.engine.request_outputs import Sample, TrackedRequest, sample_params, sample_request_id
 from flashvlm.engine.sched_output import SchedulerOutput
 from flashvlm.engine.scheduler import Scheduler
 from flashvlm.engine.stats import StepRecord, record_step
@@ -32,23 +32,12 @@ from flashvlm.request import (
     RequestOutput,
     RequestStatus,
     SamplingParams,
-    TokenLogprobs,
 )
 from flashvlm.runner.kv_scales import checkpoint_kv_scheme
 from flashvlm.runner.memory_planner import PIXEL_CACHE_BYTES
 from flashvlm.runner.model_runner import ModelRunner, StepTimings
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Tracked:
-    """Engine-side output state of one request."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[TokenLogprobs] | None = None
-    """One entry per output token when the request asks for log-probabilities (SamplingParams.logprobs)."""
 
 
 class Engine:
@@ -101,7 +90,10 @@ class Engine:
                                    max_model_len=max_len, lookahead_slots=self.limits.lookahead_slots)
         self.tokenizer = self.checkpoint.tokenizer
         self.eos_token_ids = self.checkpoint.eos_token_ids()
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, TrackedRequest] = {}
+        """Unfinished requests by the caller's id."""
+        self._samples: dict[str, tuple[TrackedRequest, Sample]] = {}
+        """Their unfinished samples by scheduler id (sample_request_id)."""
         self.step_log: list[StepRecord] | None = None
         """Set to a list to record every step (benchmarks); None costs nothing."""
         self._ids = itertools.count()
@@ -141,6 +133,8 @@ class Engine:
     def add_processed(self, processed: ProcessedPrompt, sampling_params: SamplingParams | None = None,
                       request_id: str | None = None, priority: int = 0,
                       arrival_time: float | None = None, group: str | None = None) -> Request:
+        """Queue a request; with SamplingParams.n > 1 as n samples (sample_request_id), of which the first, which
+        carries `request_id`, is returned. Outputs and abort_request use `request_id` for all of them."""
         params = sampling_params or self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
@@ -148,7 +142,8 @@ class Engine:
         if not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self._tracked:
+        sample_ids = [sample_request_id(request_id, i) for i in range(params.n)]
+        if request_id in self._tracked or any(sid in self._samples for sid in sample_ids):
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
         n, limit = len(processed.prompt_token_ids), self.max_model_len
         if n == 0:
@@ -156,29 +151,40 @@ class Engine:
         if n >= limit:
             raise InvalidRequestError(f"prompt is {n} tokens long; max_model_len is {limit} "
                                       "(the prompt plus at least one generated token must fit)")
-        req = Request(request_id=request_id, prompt_token_ids=processed.prompt_token_ids,
-                      sampling_params=params, mm_items=processed.mm_items, priority=priority,
-                      arrival_time=arrival_time if arrival_time is not None else processed.arrival_time,
-                      eos_token_ids=self.eos_token_ids, preprocess_s=processed.preprocess_s, group=group)
-        if not self.scheduler.can_ever_fit(req):
+        arrival = arrival_time if arrival_time is not None else processed.arrival_time
+        reqs = [Request(request_id=sid, prompt_token_ids=processed.prompt_token_ids,
+                        sampling_params=sample_params(params, i), mm_items=processed.mm_items, priority=priority,
+                        arrival_time=arrival, eos_token_ids=self.eos_token_ids, preprocess_s=processed.preprocess_s,
+                        group=group, parent_id=request_id if params.n > 1 else None)
+                for i, sid in enumerate(sample_ids)]
+        if not self.scheduler.can_ever_fit(reqs[0]):
             raise InvalidRequestError(f"prompt of {n} tokens needs more KV cache than the engine has "
                                       f"({self.limits.num_kv_blocks - 1} blocks of {self.config.cache.block_size})")
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens, params.stop)
-        self._tracked[request_id] = _Tracked(req, detok, [] if params.logprobs is not None else None)
-        self._image_tokens[0] += sum(it.encoder_tokens for it in req.mm_items)
-        self._image_tokens[1] += sum(it.num_tokens for it in req.mm_items)
-        self.scheduler.add_request(req)
-        return req
+        tracked = TrackedRequest(request_id, [
+            Sample(i, req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens,
+                                                  params.stop), [] if params.logprobs is not None else None)
+            for i, req in enumerate(reqs)])
+        self._tracked[request_id] = tracked
+        self._image_tokens[0] += sum(it.encoder_tokens for it in processed.mm_items)
+        self._image_tokens[1] += sum(it.num_tokens for it in processed.mm_items)
+        # In index order: the scheduler admits sample 0 first and holds its siblings until it computed the prompt.
+        for sample in tracked.samples:
+            self._samples[sample.request.request_id] = (tracked, sample)
+            self.scheduler.add_request(sample.request)
+        return reqs[0]
 
     def add_request(self, prompt: str | dict[str, Any], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> Request:
         return self.add_processed(self.process_prompt(prompt), sampling_params, request_id, priority)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request (all its samples); its final output, or None if it is unknown or finished."""
         tracked = self._tracked.get(request_id)
         if tracked is None:
             return None
-        self.scheduler.abort_request(request_id)
+        for sample in tracked.unfinished():
+            self.scheduler.abort_request(sample.request.request_id)
+            self._finish_sample(sample)
         return self._finish_output(tracked)
 
     def has_unfinished_requests(self) -> bool:
@@ -186,10 +192,12 @@ class Engine:
 
     def unfinished_request_ids(self) -> list[str]:
         """Every request added and not yet finished (waiting, preempted or running)."""
-        return list(self.scheduler.requests)
+        return list(self._tracked)
 
     def running_request_ids(self) -> list[str]:
-        return self.scheduler.running_request_ids()
+        """Requests with a sample in the running batch."""
+        ids = (self._samples[sid][0].request_id for sid in self.scheduler.running_request_ids())
+        return list(dict.fromkeys(ids))
 
     def waiting_by_priority(self) -> dict[int, int]:
         """Requests waiting for the scheduler (new or preempted), counted by priority."""
@@ -233,25 +241,26 @@ class Engine:
                 self.scheduler.add_stage_times(by_id[rid], vision_s=timings.vision_s)
         t_update = time.perf_counter() if self.step_log is not None else t0
         changed = self.scheduler.update(out, sampled)
-        outputs = []
+        touched: dict[str, TrackedRequest] = {}
         for req in changed:
-            tracked = self._tracked.get(req.request_id)
-            if tracked is None:
+            entry = self._samples.get(req.request_id)
+            if entry is None:
                 continue
-            new_tokens = len(req.output_token_ids) - len(tracked.detokenizer.token_ids)
-            if tracked.logprobs is not None and new_tokens > 0:
-                tracked.logprobs.append(logprobs[req.request_id])  # a step gives a request one token
+            tracked, sample = entry
+            touched[tracked.request_id] = tracked
+            new_tokens = len(req.output_token_ids) - len(sample.detokenizer.token_ids)
+            if sample.logprobs is not None and new_tokens > 0:
+                sample.logprobs.append(logprobs[req.request_id])  # a step gives a request one token
             if new_tokens > 0:
                 t_detok = time.perf_counter()
-                tracked.detokenizer.append(req.output_token_ids[-new_tokens:])
+                sample.detokenizer.append(req.output_token_ids[-new_tokens:])
                 self.scheduler.add_stage_times(req, detokenize_s=time.perf_counter() - t_detok)
-                stop = tracked.detokenizer.stopped_by
+                stop = sample.detokenizer.stopped_by
                 if stop is not None and not req.is_finished:
                     self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
             if req.is_finished:
-                outputs.append(self._finish_output(tracked))
-            else:
-                outputs.append(self._make_output(tracked))
+                self._finish_sample(sample)
+        outputs = [self._finish_output(t) if t.finished else t.output() for t in touched.values()]
         if self.step_log is not None and not out.is_empty:
             self.step_log.append(self._step_record(out, timings, t0, t_scheduled, t_update))
         return outputs
@@ -312,30 +321,21 @@ class Engine:
             "pixel_cache_hits": self.input_processor.pixel_cache.num_hits,
         }
 
-    def _make_output(self, tracked: _Tracked) -> RequestOutput:
-        req = tracked.request
-        finish = req.status.value if req.is_finished else None
-        return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                             token_ids=list(req.output_token_ids), text=tracked.detokenizer.text,
-                             finish_reason=finish, arrival_time=req.arrival_time,
-                             first_token_time=req.first_token_time, finish_time=req.finish_time,
-                             num_cached_tokens=req.num_cached_tokens, stop_reason=req.stop_reason,
-                             num_image_tokens=sum(it.encoder_tokens for it in req.mm_items),
-                             num_image_tokens_kept=sum(it.num_tokens for it in req.mm_items),
-                             logprobs=None if tracked.logprobs is None else list(tracked.logprobs))
-
-    def _finish_output(self, tracked: _Tracked) -> RequestOutput:
+    def _finish_sample(self, sample: Sample) -> None:
+        """A sample the scheduler finished (or just aborted): flush its text, settle its stop reason, forget it."""
         t0 = time.perf_counter()
-        tracked.detokenizer.flush()
-        req = tracked.request
-        stop = tracked.detokenizer.stopped_by
+        sample.detokenizer.flush()
+        req = sample.request
+        stop = sample.detokenizer.stopped_by
         if stop is not None and req.status is not RequestStatus.FINISHED_ABORTED:
             # A stop string wins over max_tokens or eos hit by the same token (as in vLLM), or found only by the
             # flush (the last token ended mid-character).
             self.scheduler.report_stop_string(req, stop)
         self.scheduler.add_stage_times(req, detokenize_s=time.perf_counter() - t0)
-        self._tracked.pop(req.request_id, None)
+        self._samples.pop(req.request_id, None)
         self.runner.forget_request(req.request_id)
-        output = self._make_output(tracked)
-        output.stages = req.stage_times()
-        return output
+        sample.done = True
+
+    def _finish_output(self, tracked: TrackedRequest) -> RequestOutput:
+        self._tracked.pop(tracked.request_id, None)
+        return tracked.output(final=True)

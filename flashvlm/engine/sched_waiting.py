@@ -38,6 +38,7 @@ class WaitingAdmission:
     num_images_skipped: int
     _waiting: list[Request]
     _running: list[Request]
+    requests: dict[str, Request]
 
     if TYPE_CHECKING:  # defined by Scheduler
         def _key(self, req: Request) -> OrderKey: ...
@@ -85,10 +86,11 @@ class WaitingAdmission:
                 i += 1
                 continue
             # Waiting requests (new or preempted) hold no blocks and have num_computed_tokens == 0.
-            prefix = bm.find_cached_prefix(req)
-            if may_wait and self._waits_for_in_flight(req, len(prefix)):
-                i += 1  # its shared blocks are being computed: cached hits in a step or two
+            prefix = bm.find_cached_prefix(req) if bm.enable_prefix_caching else self._sibling_prompt(req)
+            if may_wait and (prefix is None or self._waits_for_in_flight(req, len(prefix))):
+                i += 1  # its shared blocks are being computed: cached hits (or a sibling's blocks) in a step or two
                 continue
+            prefix = prefix or []
             num_hit = len(prefix) * bm.block_size
             num_new = min(req.num_tokens - num_hit, step.budget)
             target = num_hit + num_new
@@ -124,10 +126,28 @@ class WaitingAdmission:
 
     def _waits_for_in_flight(self, req: Request, num_cached_blocks: int) -> bool:
         """Worth waiting only for a long shared run (an image's placeholders, a long document): a short one
-        (a shared system prompt) would cost a step of latency to save little."""
+        (a shared system prompt) would cost a step of latency to save little. A sample of an n-request always
+        waits: its prompt is the one a sibling computes, and computing it again is the very cost n > 1 avoids."""
         wait = self.config.shared_prefix_wait_tokens
         bm = self.block_manager
-        return wait > 0 and bm.num_in_flight_blocks(req, num_cached_blocks) * bm.block_size >= wait
+        in_flight = bm.num_in_flight_blocks(req, num_cached_blocks)
+        if req.parent_id is not None:
+            return in_flight > 0
+        return wait > 0 and in_flight * bm.block_size >= wait
+
+    def _sibling_prompt(self, req: Request) -> list[KVBlock] | None:
+        """Without prefix caching, a sample of an n-request shares sample 0's full prompt blocks directly (their
+        prompts are one list): the blocks it may share once sample 0 has computed them, None while sample 0 (running)
+        still computes them, [] when there is nothing to share (no sibling running, or a prompt under a block)."""
+        leader = self.requests.get(req.parent_id) if req.parent_id is not None else None  # sample 0 has that id
+        if leader is None or leader is req or leader.status is not RequestStatus.RUNNING:
+            return []
+        bm = self.block_manager
+        # As find_cached_prefix: at least one token is left to compute, in a block of its own.
+        want = min(req.num_tokens - 1, req.num_prompt_tokens) // bm.block_size
+        if min(leader.num_computed_tokens, leader.num_prompt_tokens) // bm.block_size < want:
+            return None
+        return bm.blocks_of(leader.request_id)[:want]
 
     def _admitted(self, req: Request, num_hit: int) -> None:
         req.num_computed_tokens = num_hit

@@ -72,11 +72,16 @@ class Scheduler(WaitingAdmission):
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        """Requests with a sample in the running batch (the samples of an n-request count once)."""
+        return len(self._running_parents())
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Requests none of whose samples runs."""
+        return sum(self.waiting_by_priority().values())
+
+    def _running_parents(self) -> set[str]:
+        return {req.parent_id or req.request_id for req in self._running}
 
     def has_unfinished(self) -> bool:
         return bool(self._running or self._waiting)
@@ -85,10 +90,16 @@ class Scheduler(WaitingAdmission):
         return self.requests.get(request_id)
 
     def waiting_by_priority(self) -> dict[int, int]:
-        """How many requests wait (new or preempted) at each priority."""
+        """How many requests wait (new or preempted) at each priority: a request with n > 1 once, and only while
+        none of its samples runs."""
+        running = self._running_parents()
+        seen: set[str] = set()
         counts: dict[int, int] = {}
         for req in self._waiting:
-            counts[req.priority] = counts.get(req.priority, 0) + 1
+            parent = req.parent_id or req.request_id
+            if parent not in running and parent not in seen:
+                seen.add(parent)
+                counts[req.priority] = counts.get(req.priority, 0) + 1
         return counts
 
     def running_request_ids(self) -> list[str]:

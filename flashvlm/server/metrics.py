@@ -145,7 +145,8 @@ class EngineMetrics:
         them; otherwise the request's mean gap is observed once (which narrows the histogram's tails)."""
         labels = (self.model_name, tier)
         n_prompt = len(output.prompt_token_ids)
-        n_gen = len(output.token_ids)
+        n_gen = output.num_output_tokens  # over all n completions; the prompt counts once
+        longest = max(len(o.token_ids) for o in output.outputs)
         self.prompt_tokens.labels(*labels).inc(n_prompt)
         self.generation_tokens.labels(*labels).inc(n_gen)
         self.request_success.labels(*labels, output.finish_reason or "unknown").inc()
@@ -158,8 +159,8 @@ class EngineMetrics:
         if output.finish_time is not None:
             self.e2e.labels(*labels).observe(max(0.0, output.finish_time - output.arrival_time))
         mean_gap: float | None = None
-        if output.first_token_time is not None and output.finish_time is not None and n_gen >= 2:
-            mean_gap = max(0.0, (output.finish_time - output.first_token_time) / (n_gen - 1))
+        if output.first_token_time is not None and output.finish_time is not None and longest >= 2:
+            mean_gap = max(0.0, (output.finish_time - output.first_token_time) / (longest - 1))
             self.tpot.labels(*labels).observe(mean_gap)
         itl_child = self.itl.labels(*labels)
         if itl:
@@ -184,7 +185,7 @@ class EngineMetrics:
         self.request_success.labels(*labels, "abort").inc()
         if latest is not None:
             self.prompt_tokens.labels(*labels).inc(len(latest.prompt_token_ids))
-            self.generation_tokens.labels(*labels).inc(len(latest.token_ids))
+            self.generation_tokens.labels(*labels).inc(latest.num_output_tokens)
 
     def update_engine_stats(self, stats: Mapping[str, Any]) -> None:
         """Refresh engine-wide metrics. Gauges: num_running, num_waiting, kv_cache_usage (0..1), token_budget.

@@ -2,7 +2,7 @@
 log-probabilities in logprobs.py), and the mapping from a request to `SamplingParams`.
 
 Unknown request fields are accepted and ignored (the OpenAI client sends fields we have no use for, such as
-`store` or `metadata`); fields we recognise but cannot honour (`n` > 1, non-zero presence or frequency
+`store` or `metadata`); fields we recognise but cannot honour (`best_of` other than `n`, non-zero presence or frequency
 penalties, `tools`, `logit_bias`, JSON `response_format`, `echo`, `suffix`) are refused with 400
 rather than silently ignored, so a client never gets an answer computed differently from what it asked for.
 """
@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-from flashvlm.request import MAX_LOGPROBS, SamplingParams
+from flashvlm.request import MAX_LOGPROBS, MAX_NUM_SAMPLES, SamplingParams
 from flashvlm.server.errors import APIError, ErrorInfo, ErrorResponse, bad_request  # noqa: F401 (re-exported)
 from flashvlm.server.logprobs import ChatLogprobs, CompletionLogprobs, check_num_logprobs
 
@@ -92,7 +92,10 @@ class _SamplingFields(_Request):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, description="only 1 is supported")
+    n: StrictInt = Field(1, ge=1, le=MAX_NUM_SAMPLES,
+                         description=f"completions (choices) to generate, 1..{MAX_NUM_SAMPLES}; the prompt is "
+                                     "computed once and shared")
+    best_of: int | None = Field(None, description="vLLM's; only n (or left out): ranking samples is not supported")
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -117,8 +120,9 @@ class _SamplingFields(_Request):
     sla_tier: str | None = Field(None, description="SLA tier name (or the x-sla-tier header)")
 
     def common_checks(self) -> None:
-        if self.n != 1:
-            raise bad_request(f"n={self.n} is not supported; only n=1", "n")
+        if self.best_of not in (None, self.n):
+            raise bad_request(f"best_of={self.best_of} is not supported (ranking best_of samples to return n): leave "
+                              "it out or set it to n", "best_of")
         if self.presence_penalty != 0.0:
             raise bad_request("presence_penalty is not supported (only 0); use repetition_penalty", "presence_penalty")
         if self.frequency_penalty != 0.0:
@@ -191,7 +195,6 @@ class CompletionRequest(_SamplingFields):
     NULL_IS_A_VALUE: ClassVar[frozenset[str]] = frozenset({"max_tokens"})  # as OpenAI and vLLM read it
     echo: bool = Field(False, description="not supported")
     suffix: str | None = Field(None, description="not supported")
-    best_of: int | None = Field(None, description="only 1 is supported")
     logprobs: int | None = Field(None, description=f"0..{MAX_LOGPROBS}: each token's log-probability and those "
                                                    "of the most likely tokens")
 
@@ -213,8 +216,6 @@ class CompletionRequest(_SamplingFields):
             raise bad_request("echo is not supported", "echo")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        if self.best_of not in (None, 1):
-            raise bad_request("best_of > 1 is not supported", "best_of")
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
@@ -265,7 +266,7 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, defaults:
                        param="max_tokens", code="context_length_exceeded")
     fields: dict[str, Any] = {"max_tokens": max_tokens, "min_tokens": req.min_tokens, "ignore_eos": req.ignore_eos,
                               "skip_special_tokens": req.skip_special_tokens, "seed": req.seed,
-                              "logprobs": req.requested_logprobs()}
+                              "logprobs": req.requested_logprobs(), "n": req.n}
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
         if value is not None:

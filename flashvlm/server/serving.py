@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from flashvlm.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
 from flashvlm.engine.scheduler import KV_CAPACITY_STOP_REASON
 from flashvlm.processing.input_processor import ProcessedPrompt
-from flashvlm.request import InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
+from flashvlm.request import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
 from flashvlm.server import limits, media
 from flashvlm.server.admission import QueueFullError
 from flashvlm.server.logprobs import LogprobsFormatter
@@ -99,12 +99,11 @@ class OpenAIServing:
         final = await self._collect(st, raw)
         if final is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        logprobs = None if final.logprobs is None else self.logprobs.chat(final.logprobs)
-        body = ChatCompletionResponse(
-            id=f"chatcmpl-{st.base_id}", model=st.model,
-            choices=[ChatChoice(message=AssistantMessage(content=final.text), logprobs=logprobs,
-                                finish_reason=_finish_reason(final), stop_reason=final.stop_reason)],
-            usage=_usage(final))
+        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                              logprobs=None if c.logprobs is None else self.logprobs.chat(c.logprobs),
+                              finish_reason=_finish_reason(c), stop_reason=c.stop_reason) for c in final.outputs]
+        body = ChatCompletionResponse(id=f"chatcmpl-{st.base_id}", model=st.model, choices=choices,
+                                      usage=_usage(final))
         return JSONResponse(body.model_dump())
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
@@ -114,12 +113,11 @@ class OpenAIServing:
         final = await self._collect(st, raw)
         if final is None:
             return Response(status_code=499)
-        logprobs = None if final.logprobs is None else self.logprobs.completion(final.logprobs)
-        body = CompletionResponse(
-            id=f"cmpl-{st.base_id}", model=st.model,
-            choices=[CompletionChoice(text=final.text, logprobs=logprobs, finish_reason=_finish_reason(final),
-                                      stop_reason=final.stop_reason)],
-            usage=_usage(final))
+        choices = [CompletionChoice(index=c.index, text=c.text,
+                                    logprobs=None if c.logprobs is None else self.logprobs.completion(c.logprobs),
+                                    finish_reason=_finish_reason(c), stop_reason=c.stop_reason)
+                   for c in final.outputs]
+        body = CompletionResponse(id=f"cmpl-{st.base_id}", model=st.model, choices=choices, usage=_usage(final))
         return JSONResponse(body.model_dump())
 
     # ---- admission and preprocessing ----------------------------------------------------------
@@ -160,8 +158,8 @@ class OpenAIServing:
             span = self.tracer.start_request_span(base_id, raw.headers.get("traceparent"), attrs, start_time=arrival)
         if not self.settings.disable_log_requests:
             logger.info("request %s (engine id %s): tier=%s priority=%d prompt_tokens=%d images=%d max_tokens=%d "
-                        "stream=%s", base_id, engine_id, tier, priority, len(processed.prompt_token_ids),
-                        len(processed.mm_items), params.max_tokens, req.stream)
+                        "n=%d stream=%s", base_id, engine_id, tier, priority, len(processed.prompt_token_ids),
+                        len(processed.mm_items), params.max_tokens, params.n, req.stream)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _Started(stream, base_id, model, tier, params, span, include_usage)
 
@@ -261,15 +259,16 @@ class OpenAIServing:
         rid, created = f"chatcmpl-{st.base_id}", int(time.time())
         extra = {"usage": None} if st.include_usage else {}
 
-        def chunk(delta: dict[str, Any], finish: str | None = None, tokens: Logprobs = None) -> str:
+        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, tokens: Logprobs = None) -> str:
             logprobs = None if tokens is None else self.logprobs.chat(tokens)
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model,
                          "choices": [choice], **extra})
 
-        yield chunk({"role": "assistant", "content": ""})
-        async for piece in self._deltas(st, lambda text, tokens: chunk({"content": text}, None, tokens),
-                                        lambda final, tokens: chunk({}, _finish_reason(final), tokens)):
+        for index in range(st.params.n):
+            yield chunk(index, {"role": "assistant", "content": ""})
+        async for piece in self._deltas(st, lambda i, text, tokens: chunk(i, {"content": text}, None, tokens),
+                                        lambda c, tokens: chunk(c.index, {}, _finish_reason(c), tokens)):
             yield piece
         if st.include_usage and st.final is not None:
             yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model,
@@ -280,49 +279,56 @@ class OpenAIServing:
         rid, created = f"cmpl-{st.base_id}", int(time.time())
         extra = {"usage": None} if st.include_usage else {}
 
-        text_offset = 0  # characters of the token texts sent so far, where the next chunk's offsets start
+        # Per choice: characters of the token texts sent so far, where its next chunk's offsets start.
+        text_offset = [0] * st.params.n
 
-        def chunk(text: str, finish: str | None = None, tokens: Logprobs = None) -> str:
-            nonlocal text_offset
-            logprobs = None if tokens is None else self.logprobs.completion(tokens, text_offset)
+        def chunk(index: int, text: str, finish: str | None = None, tokens: Logprobs = None) -> str:
+            logprobs = None if tokens is None else self.logprobs.completion(tokens, text_offset[index])
             if logprobs is not None:
-                text_offset += LogprobsFormatter.text_length(logprobs)
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+                text_offset[index] += LogprobsFormatter.text_length(logprobs)
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
             return _sse({"id": rid, "object": "text_completion", "created": created, "model": st.model,
                          "choices": [choice], **extra})
 
-        async for piece in self._deltas(st, lambda text, tokens: chunk(text, None, tokens),
-                                        lambda final, tokens: chunk("", _finish_reason(final), tokens)):
+        async for piece in self._deltas(st, lambda i, text, tokens: chunk(i, text, None, tokens),
+                                        lambda c, tokens: chunk(c.index, "", _finish_reason(c), tokens)):
             yield piece
         if st.include_usage and st.final is not None:
             yield _sse({"id": rid, "object": "text_completion", "created": created, "model": st.model,
                         "choices": [], "usage": _usage(st.final).model_dump()})
         yield "data: [DONE]\n\n"
 
-    async def _deltas(self, st: _Started, content: Callable[[str, Logprobs], str],
-                      last: Callable[[RequestOutput, Logprobs], str]) -> AsyncIterator[str]:
-        """Text deltas as SSE events, then the finish event; an engine failure becomes an error event. Each event
-        carries the log-probabilities of the tokens that arrived since the last one (None unless asked for)."""
+    async def _deltas(self, st: _Started, content: Callable[[int, str, Logprobs], str],
+                      last: Callable[[CompletionOutput, Logprobs], str]) -> AsyncIterator[str]:
+        """Per choice (completion index), text deltas as SSE events, then its finish event once that completion
+        ends; an engine failure becomes an error event. Each event carries the log-probabilities of its choice's
+        tokens that arrived since the last one (None unless asked for)."""
         # The engine's cumulative text may still lose its tail to a stop string a later token completes;
         # holding back that many characters means nothing streamed is ever taken back.
         holdback = max((len(s) for s in st.params.stop), default=1) - 1
-        sent = sent_tokens = 0
+        n = st.params.n
+        sent, sent_tokens, ended = [0] * n, [0] * n, [False] * n
         final: RequestOutput | None = None
         error: BaseException | None = None
         try:
             async for out in st.stream:
                 st.latest = out
-                text = out.text
-                end = len(text) if out.finished else max(sent, len(text) - holdback)
-                if end > sent:
-                    tokens = None if out.logprobs is None else out.logprobs[sent_tokens:]
-                    sent_tokens = len(out.token_ids)
-                    yield content(text[sent:end], tokens)
-                    sent = end
+                for c in out.outputs:
+                    i = c.index
+                    if ended[i]:
+                        continue
+                    text = c.text
+                    end = len(text) if c.finished else max(sent[i], len(text) - holdback)
+                    if end > sent[i]:
+                        tokens = None if c.logprobs is None else c.logprobs[sent_tokens[i]:]
+                        sent_tokens[i] = len(c.token_ids)
+                        yield content(i, text[sent[i]:end], tokens)
+                        sent[i] = end
+                    if c.finished:
+                        ended[i] = True
+                        yield last(c, None if c.logprobs is None else c.logprobs[sent_tokens[i]:] or None)
                 if out.finished:
                     final = out
-            if final is not None:
-                yield last(final, None if final.logprobs is None else final.logprobs[sent_tokens:] or None)
         except (EngineStepError, EngineDeadError) as e:
             error = e
             yield _sse({"error": {"message": str(e), "type": "server_error", "param": None,
@@ -345,8 +351,8 @@ class OpenAIServing:
             self.tracer.finish_request_span(st.span, final, st.tier, error=reason)
         if not self.settings.disable_log_requests:
             if final is not None:
-                logger.info("request %s finished: %s, %d tokens", st.base_id, final.finish_reason,
-                            len(final.token_ids))
+                logger.info("request %s finished: %s, %d tokens", st.base_id,
+                            ",".join(c.finish_reason or "" for c in final.outputs), final.num_output_tokens)
             else:
                 logger.info("request %s ended early: %s", st.base_id, type(error).__name__ if error else "disconnect")
 
@@ -370,7 +376,7 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _finish_reason(out: RequestOutput) -> str:
+def _finish_reason(out: CompletionOutput) -> str:
     # The scheduler ends a request that outgrew the whole KV cache; to the client that is a length limit.
     if out.finish_reason == "abort" and out.stop_reason == KV_CAPACITY_STOP_REASON:
         return "length"
@@ -378,7 +384,8 @@ def _finish_reason(out: RequestOutput) -> str:
 
 
 def _usage(out: RequestOutput) -> UsageInfo:
-    return usage(len(out.prompt_token_ids), len(out.token_ids), getattr(out, "num_cached_tokens", 0) or 0,
+    # The prompt counts once, however many completions share it; completion tokens are summed over them.
+    return usage(len(out.prompt_token_ids), out.num_output_tokens, getattr(out, "num_cached_tokens", 0) or 0,
                  getattr(out, "num_image_tokens", 0), getattr(out, "num_image_tokens_kept", 0))
 
 

@@ -53,6 +53,8 @@ def gen_ai_request_attributes(model: str, sampling_params: SamplingParams | None
             attrs["gen_ai.request.seed"] = sp.seed
         if sp.stop:
             attrs["gen_ai.request.stop_sequences"] = list(sp.stop)
+        if sp.n != 1:
+            attrs["gen_ai.request.choice.count"] = sp.n
     if stream is not None:
         attrs["gen_ai.request.stream"] = stream
     return attrs
@@ -182,10 +184,10 @@ class Tracer:
     def _record_output(root: Any, output: RequestOutput) -> None:
         root.set_attribute("gen_ai.response.id", output.request_id)
         root.set_attribute("gen_ai.usage.input_tokens", len(output.prompt_token_ids))
-        root.set_attribute("gen_ai.usage.output_tokens", len(output.token_ids))
+        root.set_attribute("gen_ai.usage.output_tokens", output.num_output_tokens)
         root.set_attribute("gen_ai.usage.cache_read.input_tokens", output.num_cached_tokens)
-        if output.finish_reason is not None:
-            root.set_attribute("gen_ai.response.finish_reasons", [output.finish_reason])
+        if output.finished:
+            root.set_attribute("gen_ai.response.finish_reasons", [o.finish_reason for o in output.outputs])
         if output.ttft is not None:
             root.set_attribute("gen_ai.response.time_to_first_chunk", output.ttft)
         if output.finish_time is not None:

@@ -124,7 +124,7 @@ def test_request_id_echo_and_body_request_id(live: LiveServer) -> None:
     assert r.json()["id"] == "chatcmpl-abc-123" and r.json()["model"] == MODEL  # model is optional
     r = httpx.post(live.v1 + "/chat/completions", json={**body, "request_id": "mine-1"}, timeout=30)
     assert r.json()["id"] == "chatcmpl-mine-1" and r.headers["x-request-id"] == "mine-1"
-    r = httpx.post(live.v1 + "/chat/completions", json={**body, "n": 3}, headers={"x-request-id": "bad-1"})
+    r = httpx.post(live.v1 + "/chat/completions", json={**body, "n": 0}, headers={"x-request-id": "bad-1"})
     assert r.status_code == 400 and r.headers["x-request-id"] == "bad-1"
 
 

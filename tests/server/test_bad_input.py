@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from flashvlm.request import MAX_NUM_SAMPLES
 from flashvlm.server.protocol import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from tests.server.conftest import (
     LIMIT_IMAGES,
@@ -81,7 +82,15 @@ CASES: list[tuple[str, str, Any, int, str]] = [
     ("stop-token-negative", CHAT, _chat(stop_token_ids=[-1]), 400, "stop_token_ids"),
     ("empty-stop-string", CHAT, _chat(stop=[""]), 400, "stop"),
     ("seed-out-of-range", CHAT, _chat(seed=2**70), 400, "seed"),
-    ("n-above-one", CHAT, _chat(n=2), 400, "n=2"),
+    ("n-zero", CHAT, _chat(n=0), 400, "n: "),
+    ("n-negative", CHAT, _chat(n=-1), 400, "n: "),
+    ("n-fraction", CHAT, _chat(n=2.5), 400, "n: "),
+    ("n-string", CHAT, _chat(n="2"), 400, "n: "),
+    ("n-bool", CHAT, _chat(n=True), 400, "n: "),
+    ("n-above-max", CHAT, _chat(n=MAX_NUM_SAMPLES + 1), 400, "n: "),
+    ("completion-n-above-max", COMPLETIONS, {"model": MODEL, "prompt": "a", "n": MAX_NUM_SAMPLES + 1}, 400, "n: "),
+    ("completion-best-of", COMPLETIONS, {"model": MODEL, "prompt": "a", "n": 2, "best_of": 3}, 400, "best_of=3"),
+    ("chat-best-of", CHAT, _chat(best_of=2), 400, "best_of=2"),
     ("top-logprobs-above-20", CHAT, _chat(logprobs=True, top_logprobs=21), 400, "top_logprobs must be"),
     ("top-logprobs-negative", CHAT, _chat(logprobs=True, top_logprobs=-1), 400, "top_logprobs must be"),
     ("top-logprobs-without-logprobs", CHAT, _chat(top_logprobs=2), 400, "needs logprobs: true"),
@@ -207,7 +216,7 @@ _valid_options = {
     "stop_token_ids": st.lists(st.integers(0, 600), max_size=2), "min_tokens": st.integers(0, 1),
     "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "ignore_eos": st.booleans(), "priority": st.integers(-5, 5), "sla_tier": st.sampled_from(["gold", "bronze"]),
-    "skip_special_tokens": st.booleans(), "user": st.text(max_size=5), "n": st.just(1),
+    "skip_special_tokens": st.booleans(), "user": st.text(max_size=5), "n": st.integers(1, 2),
 }
 _chat_base = st.fixed_dictionaries({"model": st.just(MODEL), "max_tokens": st.integers(1, 3),
                                     "messages": st.lists(_valid_message, min_size=1, max_size=2)},

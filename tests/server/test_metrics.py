@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from flashvlm.request import RequestOutput
+from flashvlm.request import CompletionOutput, RequestOutput
 from flashvlm.server.metrics import EngineMetrics, token_buckets
 
 
 def _output(rid: str = "r1", n_prompt: int = 10, n_gen: int = 5, finish_reason: str | None = "stop",
             stages: dict[str, float] | None = None) -> RequestOutput:
-    return RequestOutput(request_id=rid, prompt_token_ids=list(range(n_prompt)), token_ids=list(range(n_gen)),
-                         text="x", finish_reason=finish_reason, arrival_time=1000.0, first_token_time=1000.25,
+    return RequestOutput(request_id=rid, prompt_token_ids=list(range(n_prompt)),
+                         outputs=[CompletionOutput(0, list(range(n_gen)), "x", finish_reason)],
+                         arrival_time=1000.0, first_token_time=1000.25,
                          finish_time=1001.25, num_cached_tokens=4,
                          stages=stages if stages is not None else {"preprocess": 0.01, "queue": 0.04, "vision": 0.1,
                                                                    "prefill": 0.1, "decode": 0.95,

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from flashvlm.request import RequestOutput, SamplingParams
+from flashvlm.request import CompletionOutput, RequestOutput, SamplingParams
 from flashvlm.server.tracing import Tracer, gen_ai_request_attributes
 
 pytest.importorskip("opentelemetry.sdk")
@@ -20,8 +20,9 @@ TRACEPARENT = f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"
 def _output() -> RequestOutput:
     # arrival 100.0; preprocess .1, queue .2 -> scheduled 100.3; vision .15, prefill .25 -> first token 100.7;
     # decode 1.2, detokenize .1 -> finish 102.0
-    return RequestOutput(request_id="chatcmpl-1", prompt_token_ids=list(range(30)), token_ids=list(range(8)),
-                         text="hi", finish_reason="length", arrival_time=100.0, first_token_time=100.7,
+    return RequestOutput(request_id="chatcmpl-1", prompt_token_ids=list(range(30)),
+                         outputs=[CompletionOutput(0, list(range(8)), "hi", "length")],
+                         arrival_time=100.0, first_token_time=100.7,
                          finish_time=102.0, num_cached_tokens=16,
                          stages={"preprocess": 0.1, "queue": 0.2, "vision": 0.15, "prefill": 0.25, "decode": 1.2,
                                  "detokenize": 0.1})
@@ -118,7 +119,7 @@ def test_output_without_stages_gives_only_the_root_span() -> None:
     tracer, exporter = _traced()
     out = _output()
     out.stages = {}
-    out.finish_reason = "abort"
+    out.outputs[0].finish_reason = "abort"
     tracer.finish_request_span(tracer.start_request_span("r"), out, tier="bronze")
     (root,) = exporter.get_finished_spans()
     assert tuple(root.attributes["gen_ai.response.finish_reasons"]) == ("abort",)
