@@ -9,6 +9,7 @@ import sys
 from flashvlm.extras import require_extra
 from flashvlm.options import add_engine_args, engine_config_from_args
 from flashvlm.server import limits
+from flashvlm.server.tool_calls import TOOL_CALL_PARSERS
 
 _DESCRIPTION = """Serve a vision-language model over an OpenAI-compatible HTTP API:
 POST /v1/chat/completions (text and image_url parts), POST /v1/completions, GET /v1/models, /health, /metrics.
@@ -51,6 +52,10 @@ def build_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--enable-docs", action="store_true",
                    help="serve the interactive API pages /docs (Swagger UI) and /redoc; their scripts come from a "
                         "CDN, so a browser without internet shows a blank page (/openapi.json is always served)")
+    g.add_argument("--tool-call-parser", default="hermes", choices=TOOL_CALL_PARSERS,
+                   help="how chat answers to requests with `tools` are read into `tool_calls`: hermes, the "
+                        "<tool_call>{json}</tool_call> blocks Qwen2.5, Qwen2.5-VL and Qwen3-VL write (vLLM's parser "
+                        "of that name); none refuses `tools` with 400 (default: %(default)s)")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default: %(default)s)")
@@ -139,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(served_model_names=names, model_path=args.model, media=policy, tiers=tiers,
                               api_key=args.api_key, disable_log_requests=args.disable_log_requests,
                               body_read_timeout_s=args.body_read_timeout,
-                              max_body_bytes_in_flight=args.max_body_bytes_in_flight, enable_docs=args.enable_docs)
+                              max_body_bytes_in_flight=args.max_body_bytes_in_flight, enable_docs=args.enable_docs,
+                              tool_call_parser=args.tool_call_parser)
     try:
         app = build_app(engine, settings, metrics, tracer)
         server = build_server(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

@@ -3,7 +3,7 @@ log-probabilities in logprobs.py), and the mapping from a request to `SamplingPa
 
 Unknown request fields are accepted and ignored (the OpenAI client sends fields we have no use for, such as
 `store` or `metadata`); fields we recognise but cannot honour (`best_of` other than `n`, non-zero presence or frequency
-penalties, `tools`, `logit_bias`, JSON `response_format`, `echo`, `suffix`) are refused with 400
+penalties, `logit_bias`, JSON `response_format`, `echo`, `suffix`) are refused with 400
 rather than silently ignored, so a client never gets an answer computed differently from what it asked for.
 """
 
@@ -13,11 +13,12 @@ import dataclasses
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, field_validator, model_validator
 
 from flashvlm.request import MAX_LOGPROBS, MAX_NUM_SAMPLES, SamplingParams
 from flashvlm.server.errors import APIError, ErrorInfo, ErrorResponse, bad_request  # noqa: F401 (re-exported)
 from flashvlm.server.logprobs import ChatLogprobs, CompletionLogprobs, check_num_logprobs
+from flashvlm.server.tool_protocol import HistoryToolCall, ToolChoice, ToolDefinition, ToolMode, tool_mode
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # The detokenizer searches every stop string after every token, so a request's stop strings cost the whole batch;
@@ -70,9 +71,11 @@ ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[HistoryToolCall] | None = Field(None, description="an assistant turn's calls")
+    tool_call_id: str | None = Field(None, description="the call a tool message answers")
 
 
 class StreamOptions(_NullMeansDefault):
@@ -152,19 +155,25 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, description=f"0..{MAX_LOGPROBS} most likely tokens per position; "
                                                        "needs logprobs: true")
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported")
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = Field(None, description="functions the model may call (docs/server.md)")
+    tool_choice: ToolChoice | None = Field(None, description="none, auto (the default with tools), required, or "
+                                                              "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    parallel_tool_calls: bool = Field(True, description="accepted; the model may write several calls either way")
     mm_processor_kwargs: dict[str, Any] | None = Field(
         None, description="min_pixels / max_pixels (Qwen), mm_token_pruning / mm_token_keep_ratio (visual-token "
                           "pruning); the engine checks each value (a bad one is a 400 naming it)")
 
-    def check(self) -> None:
+    _tool_mode: ToolMode = PrivateAttr(default_factory=lambda: ToolMode("off"))
+
+    def check(self, tool_call_parser: str = "hermes") -> None:
         self.common_checks()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         check_num_logprobs(self.top_logprobs, "top_logprobs")
-        if self.tools:
-            raise bad_request("tools (function calling) are not supported", "tools")
+        self._tool_mode = tool_mode(self.tools, self.tool_choice, tool_call_parser)
+        if self._tool_mode.choice in ("required", "named"):
+            raise bad_request(f"tool_choice {self.tool_choice!r} is not supported yet; use auto or none",
+                              "tool_choice")
         if self.response_format is not None and self.response_format.type != "text":
             raise bad_request(f"response_format {self.response_format.type!r} is not supported; only 'text'",
                               "response_format")
@@ -175,6 +184,11 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def tool_mode(self) -> ToolMode:
+        """What the request's tools ask for, as check() resolved it."""
+        return self._tool_mode
+
     def engine_messages(self) -> list[dict[str, Any]]:
         """Messages as the engine's chat processing takes them (developer = system, as OpenAI defines it)."""
         out = []
@@ -184,7 +198,12 @@ class ChatCompletionRequest(_SamplingFields):
                 content: Any = [p.model_dump(exclude_none=True) for p in m.content]
             else:
                 content = m.content or ""
-            out.append({"role": role, "content": content})
+            message = {"role": role, "content": content}
+            if m.tool_calls:
+                message["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
         return out
 
 
@@ -303,7 +322,8 @@ def usage(num_prompt: int, num_completion: int, num_cached: int, num_image: int 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list, description="the calls read out of the output")
 
 
 class ChatChoice(BaseModel):

@@ -24,10 +24,10 @@ from flashvlm.processing.input_processor import ProcessedPrompt
 from flashvlm.request import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
 from flashvlm.server import limits, media
 from flashvlm.server.admission import QueueFullError
+from flashvlm.server.chat_output import ChatDeltas, assistant_message, chat_finish_reason
 from flashvlm.server.logprobs import LogprobsFormatter
 from flashvlm.server.protocol import (
     APIError,
-    AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -40,6 +40,7 @@ from flashvlm.server.protocol import (
     usage,
 )
 from flashvlm.server.sse import SSEResponse
+from flashvlm.server.tool_protocol import ToolMode
 
 logger = logging.getLogger("flashvlm.server")
 
@@ -59,6 +60,8 @@ class ServerSettings:
     body_read_timeout_s: float = limits.DEFAULT_BODY_READ_TIMEOUT_S
     max_body_bytes_in_flight: int = limits.DEFAULT_MAX_BODY_BYTES_IN_FLIGHT
     enable_docs: bool = False
+    tool_call_parser: str = "hermes"
+    """How calls are read out of a chat answer with tools (server/tool_calls.py:TOOL_CALL_PARSERS)."""
     """Serve /docs and /redoc: pages whose scripts the browser fetches from a CDN, so off unless asked for."""
 
 
@@ -95,13 +98,15 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         st = await self._start(req, raw, lambda: self._prepare_chat(req))
         if req.stream:
-            return SSEResponse(self._chat_events(st))
+            return SSEResponse(self._chat_events(st, req.tool_mode))
         final = await self._collect(st, raw)
         if final is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+        messages = [assistant_message(c.text, req.tool_mode) for c in final.outputs]
+        choices = [ChatChoice(index=c.index, message=m,
                               logprobs=None if c.logprobs is None else self.logprobs.chat(c.logprobs),
-                              finish_reason=_finish_reason(c), stop_reason=c.stop_reason) for c in final.outputs]
+                              finish_reason=chat_finish_reason(_finish_reason(c), bool(m.tool_calls)),
+                              stop_reason=c.stop_reason) for c, m in zip(final.outputs, messages)]
         body = ChatCompletionResponse(id=f"chatcmpl-{st.base_id}", model=st.model, choices=choices,
                                       usage=_usage(final))
         return JSONResponse(body.model_dump())
@@ -127,7 +132,10 @@ class OpenAIServing:
         tier = "default"
         try:
             model = self._check_model(req.model)
-            req.check()
+            if isinstance(req, ChatCompletionRequest):
+                req.check(self.settings.tool_call_parser)
+            else:
+                req.check()
             tier, priority = self._tier(req, raw)
             try:
                 slot = self.engine.reserve(priority)
@@ -222,7 +230,9 @@ class OpenAIServing:
                 else:
                     media.set_image_bytes(part, media.load_image_bytes(url, policy, i))
             try:
-                return self.engine.engine.process_chat(messages, mm_processor_kwargs=req.mm_processor_kwargs)
+                tools = list(req.tool_mode.tools) if req.tool_mode.renders_tools else None
+                return self.engine.engine.process_chat(messages, mm_processor_kwargs=req.mm_processor_kwargs,
+                                                       tools=tools)
             except jinja2.TemplateError as e:  # templates may refuse a conversation (raise_exception)
                 raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
 
@@ -255,9 +265,10 @@ class OpenAIServing:
             self._finish(st, final, error)
         return final
 
-    async def _chat_events(self, st: _Started) -> AsyncIterator[str]:
+    async def _chat_events(self, st: _Started, mode: ToolMode) -> AsyncIterator[str]:
         rid, created = f"chatcmpl-{st.base_id}", int(time.time())
         extra = {"usage": None} if st.include_usage else {}
+        choices = [ChatDeltas(mode) for _ in range(st.params.n)]
 
         def chunk(index: int, delta: dict[str, Any], finish: str | None = None, tokens: Logprobs = None) -> str:
             logprobs = None if tokens is None else self.logprobs.chat(tokens)
@@ -265,11 +276,21 @@ class OpenAIServing:
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model,
                          "choices": [choice], **extra})
 
+        def text_chunks(index: int, text: str, tokens: Logprobs) -> str:
+            # The log-probabilities ride on the first delta, or on an empty one when a tag holds the text back.
+            deltas = choices[index].feed(text) or ([{"content": ""}] if tokens is not None else [])
+            return "".join(chunk(index, d, None, tokens if k == 0 else None) for k, d in enumerate(deltas))
+
+        def last_chunks(c: CompletionOutput, tokens: Logprobs) -> str:
+            rest = "".join(chunk(c.index, d) for d in choices[c.index].finish())
+            reason = chat_finish_reason(_finish_reason(c), choices[c.index].num_calls > 0)
+            return rest + chunk(c.index, {}, reason, tokens)
+
         for index in range(st.params.n):
             yield chunk(index, {"role": "assistant", "content": ""})
-        async for piece in self._deltas(st, lambda i, text, tokens: chunk(i, {"content": text}, None, tokens),
-                                        lambda c, tokens: chunk(c.index, {}, _finish_reason(c), tokens)):
-            yield piece
+        async for piece in self._deltas(st, text_chunks, last_chunks):
+            if piece:
+                yield piece
         if st.include_usage and st.final is not None:
             yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model,
                         "choices": [], "usage": _usage(st.final).model_dump()})

@@ -14,6 +14,10 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+TOOL_CALL_PARSERS = ("hermes", "none")
+"""`flashvlm serve --tool-call-parser` values: the output format read into `tool_calls`, or none (tools are
+refused)."""
+
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 

@@ -10,9 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flashvlm.server.errors import bad_request
 
-TOOL_CALL_PARSERS = ("hermes", "none")
-"""`--tool-call-parser` values: the output format read into `tool_calls`, or none (tools are refused)."""
-
 
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="allow")

@@ -47,6 +47,8 @@ def _img_chat(*uris: str) -> dict[str, Any]:
 
 
 # (id, path, body (dict, or raw bytes), status, needle in the message)
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
 CASES: list[tuple[str, str, Any, int, str]] = [
     ("malformed-json", CHAT, b'{"model": "tiny-vlm", "messages": [', 400, "not valid json"),
     ("not-an-object", CHAT, b"[1, 2]", 400, "valid dictionary"),
@@ -100,7 +102,14 @@ CASES: list[tuple[str, str, Any, int, str]] = [
     ("completion-logprobs-negative", COMPLETIONS, {"model": MODEL, "prompt": "a", "logprobs": -2}, 400,
      "logprobs must be"),
     ("presence-penalty", CHAT, _chat(presence_penalty=0.5), 400, "presence_penalty"),
-    ("tools", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("tool-choice-without-tools", CHAT, _chat(tool_choice="auto"), 400, "only allowed when tools"),
+    ("tool-choice-unknown-function", CHAT, _chat(tools=[_TOOL], tool_choice={
+        "type": "function", "function": {"name": "g"}}), 400, "not in tools"),
+    ("tool-bad-name", CHAT, _chat(tools=[{"type": "function", "function": {"name": "a b"}}]), 400, "name"),
+    ("tools-not-a-list", CHAT, _chat(tools={"type": "function"}), 400, "tools"),
+    ("tools-twice", CHAT, _chat(tools=[_TOOL, _TOOL]), 400, "same function twice"),
+    ("tool-history-without-function", CHAT, {"model": MODEL, "messages": [
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]}, 400, "function"),
     ("json-response-format", CHAT, _chat(response_format={"type": "json_object"}), 400, "response_format"),
     ("request-id-with-newline", CHAT, _chat(request_id="a\r\nx-evil: 1"), 400, "request_id"),
     ("unknown-model", CHAT, _chat(model="gpt-5"), 404, "does not exist"),
