@@ -38,8 +38,13 @@ def value_type(opt: EngineOption) -> type:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per engine option, in an "engine" group; each flag's dest is the option's name."""
-    group = parser.add_argument_group("engine")
-    for opt in cli_options():
+    add_option_args(parser.add_argument_group("engine"), cli_options())
+
+
+def add_option_args(group: Any, options: list[EngineOption]) -> None:
+    """One flag per option of `options` (declared with `option()`, e.g. `collect_options(SomeConfig)`) on an
+    argparse parser or group; each flag's dest is the option's name."""
+    for opt in options:
         kind = value_type(opt)
         # "%(default).0s" prints nothing; it stops ArgumentDefaultsHelpFormatter from adding "(default: None)".
         shown = "%(default)s" if kind is not bool and opt.spec.shown_default is None else (
