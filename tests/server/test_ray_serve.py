@@ -114,8 +114,24 @@ def test_two_replicas_serve_the_openai_client(two_replicas: str) -> None:
         c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=-1)
     with pytest.raises(openai.NotFoundError):
         c.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    # Headers reach the replica's app: an SLA tier by header, and an unknown one refused there.
+    tiered = c.chat.completions.with_raw_response.create(model="demo", messages=[{"role": "user", "content": "x"}],
+                                                         max_tokens=1, extra_headers={"x-sla-tier": "gold"})
+    assert tiered.status_code == 200
+    with pytest.raises(openai.BadRequestError, match="unknown SLA tier"):
+        c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                  extra_headers={"x-sla-tier": "platinum"})
     page = metrics(two_replicas)
     assert len({dict(ls)["replica"] for (n, ls) in page if n == "flashvlm:num_requests_running"}) == 2
+    # A client that leaves mid-stream aborts its request on the replica, two hops away.
+    body = {"model": "demo", "messages": [{"role": "user", "content": "go"}], "max_tokens": 1500, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", two_replicas + "/v1/chat/completions", json=body, timeout=60) as r:
+        left = r.headers["x-flashvlm-replica"]
+        assert next(line for line in r.iter_lines() if line.startswith("data:"))
+    wait_for("the abandoned stream to be aborted", lambda: value(
+        metrics(two_replicas), "flashvlm:request_success_total", replica=left, finished_reason="abort") >= 1)
+    assert value(metrics(two_replicas), "flashvlm:num_requests_running", replica=left) == 0
 
 
 def test_one_image_twenty_times_stays_on_one_replica_and_hits_its_encoder_cache(two_replicas: str) -> None:
