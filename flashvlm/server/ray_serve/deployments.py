@@ -27,9 +27,10 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from flashvlm.server.app import error_response
+from flashvlm.server.body import BodyBudget, BodyReader, BodyRefused
 from flashvlm.server.metrics import CONTENT_TYPE, PREFIX
 from flashvlm.server.ray_serve.affinity import RouteTicket
 from flashvlm.server.ray_serve.asgi_bridge import ForwardedRequest, ResponseStart, run_asgi
@@ -37,6 +38,7 @@ from flashvlm.server.ray_serve.keys import NO_KEYS, ROUTED_PATHS, routing_keys
 from flashvlm.server.ray_serve.metrics_merge import merge_by_replica
 from flashvlm.server.ray_serve.options import RayServeOptions
 from flashvlm.server.ray_serve.router import CacheAffinityRouter
+from flashvlm.server.sse import SSEResponse
 
 logger = logging.getLogger("flashvlm.server.ray")
 
@@ -78,8 +80,10 @@ class EngineReplica:
 @dataclass(frozen=True)
 class IngressSettings:
     block_chars: int
-    max_body_bytes: int
-    """Largest body the ingress reads (the replica's own per-request limit still applies)."""
+    max_body_bytes_in_flight: int
+    """Body bytes the ingress holds across all requests (--max-body-bytes-in-flight), as `flashvlm serve` does; also
+    the most one body may have here (the replica's app then applies its own, smaller, per-request limit)."""
+    body_read_timeout_s: float
 
 
 class Ingress:
@@ -96,23 +100,34 @@ class Ingress:
         self._resent = Counter(PREFIX + "router_resent_requests", "Requests sent again to another replica after "
                                "the one they were on was lost, before any of their response reached the client.",
                                registry=self.registry)
+        self._bodies = BodyBudget(settings.max_body_bytes_in_flight)
         self._lost_streams = Counter(PREFIX + "router_lost_streams", "Streams cut by the loss of their replica "
                                      "(ended with a replica_lost error event).", registry=self.registry)
 
     async def __call__(self, request: Request) -> Response:
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self._settings.max_body_bytes:
-                return error_response(413, f"the body is over {self._settings.max_body_bytes} bytes",
-                                      code="request_too_large", headers={"Connection": "close"})
-        path = request.url.path
-        forwarded = ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
-                                     tuple(request.scope["headers"]), bytes(body), request.scope.get("client"))
-        if path == "/metrics" and request.method == "GET":
-            return await self._metrics(forwarded)
-        keys = routing_keys(path, forwarded.body, self._settings.block_chars) if request.method == "POST" else NO_KEYS
-        return await self._forward(forwarded, keys, count=path in ROUTED_PATHS)
+        # The body is read within the bounds `flashvlm serve` reads it with (server/body.py), and held until the
+        # response starts: until then the request may be sent again to another replica.
+        reader = BodyReader(self._bodies, self._settings.max_body_bytes_in_flight, self._settings.body_read_timeout_s)
+        try:
+            length = request.headers.get("content-length", "")
+            try:
+                body = await reader.read(request.receive, int(length) if length.isdigit() else None)
+            except BodyRefused as e:
+                return error_response(e.status, str(e), "service_unavailable" if e.status == 503 else
+                                      "invalid_request_error", code=e.code,
+                                      headers={"Connection": "close", **({"Retry-After": "1"} if e.status == 503
+                                                                         else {})})
+            if body is None:
+                return Response(status_code=499)  # the client left before its body arrived: nobody reads this
+            path = request.url.path
+            forwarded = ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
+                                         tuple(request.scope["headers"]), body, request.scope.get("client"))
+            if path == "/metrics" and request.method == "GET":
+                return await self._metrics(forwarded)
+            keys = routing_keys(path, body, self._settings.block_chars) if request.method == "POST" else NO_KEYS
+            return await self._forward(forwarded, keys, count=path in ROUTED_PATHS)
+        finally:
+            reader.release()
 
     async def _forward(self, forwarded: ForwardedRequest, keys: Any, count: bool) -> Response:
         exclude: list[str] = []
@@ -137,24 +152,10 @@ class Ingress:
             if count:
                 self._decisions.labels(ticket.decision(), ticket.replica or "").inc()
             if not start.is_event_stream:
-                return _response(Response(body, status_code=start.status), start, forwarded)
-            return _response(StreamingResponse(self._rest(stream, ticket), status_code=start.status), start,
-                             forwarded)
+                return _response(Response(body), start, forwarded)
+            return _response(SSEResponse(_RestOfStream(stream, ticket, self._lost_streams)), start, forwarded)
         return error_response(503, f"the request's replica was lost {MAX_ATTEMPTS} times", "service_unavailable",
                               code="replica_lost", headers={"Retry-After": "1"})
-
-    async def _rest(self, stream: Any, ticket: RouteTicket) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in stream:
-                yield chunk
-        except LOST as e:
-            self._lost_streams.inc()
-            logger.warning("replica %s lost mid-stream: %s", ticket.replica, e)
-            error = {"message": f"the replica serving this stream was lost ({type(e).__name__}); the output "
-                                "above is incomplete", "type": "server_error", "param": None, "code": "replica_lost"}
-            yield f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()
-        finally:
-            stream.cancel()  # a no-op once the stream ended; otherwise the client left: abort on the replica
 
     async def _metrics(self, forwarded: ForwardedRequest) -> Response:
         """Every replica's metrics, labelled by replica, then the router's."""
@@ -184,10 +185,46 @@ class Ingress:
             pages[ticket.replica] = body.decode()
 
 
+class _RestOfStream:
+    """The rest of a replica's event stream, for SSEResponse (which closes it however the response ends: finished,
+    the client gone, or never started). Closing it cancels the call, which aborts the request on the replica. A
+    lost replica becomes a last `replica_lost` error event, then `data: [DONE]`."""
+
+    def __init__(self, stream: Any, ticket: RouteTicket, lost: Counter) -> None:
+        self._stream = stream
+        self._ticket = ticket
+        self._lost = lost
+        self._ended = False
+
+    def __aiter__(self) -> _RestOfStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            return await self._stream.__anext__()
+        except StopAsyncIteration:
+            self._ended = True
+            raise
+        except LOST as e:
+            self._ended = True
+            self._lost.inc()
+            logger.warning("replica %s lost mid-stream: %s", self._ticket.replica, e)
+            error = {"message": f"the replica serving this stream was lost ({type(e).__name__}); the output above "
+                                "is incomplete", "type": "server_error", "param": None, "code": "replica_lost"}
+            return f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()
+
+    async def aclose(self) -> None:
+        self._ended = True
+        self._stream.cancel()  # a no-op once the stream ended
+
+
 def _response(response: Response, start: ResponseStart, forwarded: ForwardedRequest) -> Response:
     """`response` with the replica's headers (content type and length, x-request-id, Retry-After, the replica's
     name), less an x-request-id equal to the one Serve's proxy put on the request: the proxy adds that one itself."""
     proxy_id = next((v for k, v in forwarded.headers if k.lower() == b"x-request-id"), None)
+    response.status_code = start.status
     response.raw_headers = [(k, v) for k, v in start.headers if not (k.lower() == b"x-request-id" and v == proxy_id)]
     return response
 
@@ -210,7 +247,8 @@ def build_application(serve_args: argparse.Namespace | list[str]) -> Any:
                                ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=most_replicas * engine_options["max_ongoing_requests"] + 64)
     settings = IngressSettings(block_chars=options.prefix_block_chars,
-                               max_body_bytes=serve_args.max_body_bytes_in_flight)
+                               max_body_bytes_in_flight=serve_args.max_body_bytes_in_flight,
+                               body_read_timeout_s=serve_args.body_read_timeout)
     return ingress.bind(engine.bind(serve_args), settings)
 
 
