@@ -220,6 +220,14 @@ def test_bad_options_are_refused_by_flag(kwargs: dict, message: str) -> None:
         RayServeOptions(**kwargs).validate()
 
 
+def test_the_docs_table_is_the_fields() -> None:
+    from flashvlm.server.ray_serve.options import DOCS_PAGE, with_ray_options_table
+
+    page = DOCS_PAGE.read_text()
+    assert with_ray_options_table(page) == page, \
+        "docs/distributed.md's options table is stale: python -m flashvlm.server.ray_serve.options"
+
+
 # ---- the ASGI bridge and the merged metrics -------------------------------------------------------------------------
 def test_bridge_replays_a_request_and_streams_its_response() -> None:
     from starlette.applications import Starlette
