@@ -138,7 +138,9 @@ class Ingress:
                 start = await stream.__anext__()
                 if not start.is_event_stream:  # a whole JSON body: read it all before the client sees any of it
                     body = b"".join([chunk async for chunk in stream])
-            except LOST as e:
+                    if _engine_dead(start, body):  # the replica's engine stopped; Serve's health check will see it
+                        raise ReplicaEngineDead(f"replica {ticket.replica}: its engine is not running")
+            except (*LOST, ReplicaEngineDead) as e:
                 stream.cancel()
                 logger.warning("replica %s lost before answering (attempt %d): %s", ticket.replica, attempt + 1, e)
                 if ticket.replica is not None:
@@ -183,6 +185,19 @@ class Ingress:
             return  # a replica starting or going away has no page this time
         if ticket.replica is not None and body:
             pages[ticket.replica] = body.decode()
+
+
+class ReplicaEngineDead(Exception):
+    """A replica answered 503 engine_dead: it is up, its engine is not; the request goes to another replica."""
+
+
+def _engine_dead(start: ResponseStart, body: bytes) -> bool:
+    if start.status != 503:
+        return False
+    try:
+        return json.loads(body)["error"]["code"] == "engine_dead"
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 class _RestOfStream:
