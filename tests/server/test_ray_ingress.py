@@ -139,3 +139,17 @@ def test_a_stream_cut_by_a_lost_replica_ends_with_an_error_event() -> None:
     assert events[2] == "data: [DONE]"
     assert len(handle.tickets) == 1  # a stream under way is never sent again
     assert counter(ingress, "flashvlm:router_lost_streams_total") == 1
+
+
+def test_replica_health_is_the_engines() -> None:
+    from types import SimpleNamespace
+
+    from flashvlm.server.ray_serve.deployments import EngineReplica
+
+    replica = EngineReplica.__new__(EngineReplica)  # without the engine build: only its health check is tested
+    replica._engine = SimpleNamespace(is_alive=True)
+    replica.check_health()
+    replica._engine.is_alive = False
+    with pytest.raises(RuntimeError, match="engine is not running"):
+        replica.check_health()
+    replica._engine = None
