@@ -50,11 +50,12 @@ class CacheAffinityRouter(RequestRouter):
         loads: dict[str, int | None] = {}
         stale: list[RunningReplica] = []
         for r in replicas:
-            n = self._replica_queue_len_cache.get(r.replica_id)
+            n = self.replica_queue_len_cache.get(r.replica_id)
             loads[r.replica_id.unique_id] = n
             if n is None:
                 stale.append(r)
         if stale:
+            # The probe Serve's own routers use (and its PrefixCacheAffinityRouter); it refreshes the cache too.
             for r, n in await self._probe_queue_lens(stale, 0):
                 loads[r.replica_id.unique_id] = n
         return loads
