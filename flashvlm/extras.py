@@ -11,6 +11,7 @@ __all__ = ["EXTRA_MODULES", "require_extra"]
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "serve": ("fastapi", "uvicorn", "pydantic", "prometheus_client", "yaml", "httpx"),
     "bench": ("matplotlib", "httpx"),
+    "ray": ("ray",),
 }
 """extra name -> the modules it brings (import names)."""
 

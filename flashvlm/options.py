@@ -12,6 +12,7 @@ import argparse
 import sys
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,13 @@ def value_type(opt: EngineOption) -> type:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per engine option, in an "engine" group; each flag's dest is the option's name."""
-    group = parser.add_argument_group("engine")
-    for opt in cli_options():
+    add_option_args(parser.add_argument_group("engine"), cli_options())
+
+
+def add_option_args(group: Any, options: list[EngineOption]) -> None:
+    """One flag per option of `options` (declared with `option()`, e.g. `collect_options(SomeConfig)`) on an
+    argparse parser or group; each flag's dest is the option's name."""
+    for opt in options:
         kind = value_type(opt)
         # "%(default).0s" prints nothing; it stops ArgumentDefaultsHelpFormatter from adding "(default: None)".
         shown = "%(default)s" if kind is not bool and opt.spec.shown_default is None else (
@@ -96,10 +102,10 @@ def _flag_text(opt: EngineOption) -> str:
     return f"`{opt.flag}`"
 
 
-def options_table() -> str:
-    """The Markdown table of every engine option: its `LLM` keyword, flag, default and meaning."""
+def options_table(options: Sequence[EngineOption] | None = None) -> str:
+    """The Markdown table of every engine option (or of `options`): its keyword, flag, default and meaning."""
     rows = ["| argument | CLI flag | default | meaning |", "| --- | --- | --- | --- |"]
-    for opt in engine_options():
+    for opt in engine_options() if options is None else options:
         meaning = opt.spec.help.replace("|", "\\|")
         if opt.spec.choices:
             meaning += " (one of " + ", ".join(f"`{c}`" for c in opt.spec.choices) + ")"
@@ -107,12 +113,12 @@ def options_table() -> str:
     return "\n".join(rows)
 
 
-def with_options_table(page: str) -> str:
-    """`page` with the text between its table markers replaced by the current table."""
-    head, sep, rest = page.partition(TABLE_BEGIN)
-    if not sep or TABLE_END not in rest:
-        raise ValueError(f"the page has no {TABLE_BEGIN!r} ... {TABLE_END!r} markers")
-    return f"{head}{TABLE_BEGIN}\n{options_table()}\n{TABLE_END}{rest.partition(TABLE_END)[2]}"
+def with_options_table(page: str, table: str | None = None, begin: str = TABLE_BEGIN, end: str = TABLE_END) -> str:
+    """`page` with the text between its table markers replaced by `table` (default: the engine options')."""
+    head, sep, rest = page.partition(begin)
+    if not sep or end not in rest:
+        raise ValueError(f"the page has no {begin!r} ... {end!r} markers")
+    return f"{head}{begin}\n{options_table() if table is None else table}\n{end}{rest.partition(end)[2]}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 from flashvlm.extras import require_extra
 from flashvlm.options import add_engine_args, engine_config_from_args
 from flashvlm.server import limits
+from flashvlm.server.ray_serve.options import add_ray_args
 from flashvlm.server.tool_calls import TOOL_CALL_PARSERS
 
 _DESCRIPTION = """Serve a vision-language model over an OpenAI-compatible HTTP API:
@@ -94,6 +96,7 @@ def build_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="send OpenTelemetry traces (a span per request) to this OTLP endpoint; needs flashvlm[tracing]")
     o.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+    add_ray_args(p)
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -103,6 +106,30 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 def run(args: argparse.Namespace) -> int:
     require_extra("serve", "flashvlm serve")
+    if args.ray:
+        require_extra("ray", "flashvlm serve --ray")
+        from flashvlm.server.ray_serve.launch import run_on_ray
+
+        return run_on_ray(args)
+    from flashvlm.server.http_server import build_server
+
+    app, engine, tracer = build_serving(args)
+    try:
+        server = build_server(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                              shutdown_timeout_s=args.shutdown_timeout, header_read_timeout_s=args.header_read_timeout)
+        names = app.state.serving.settings.served_model_names
+        print(f"flashvlm serving {names[0]} on http://{args.host}:{args.port}/v1 "
+              f"(max_model_len {engine.max_model_len})", file=sys.stderr)
+        server.run()
+    finally:
+        engine.shutdown()
+        tracer.shutdown()
+    return 0
+
+
+def build_serving(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(app, AsyncEngine, Tracer) of `flashvlm serve`'s flags: the engine running and the app over it. Each Ray
+    Serve replica builds its own from the same flags. The caller shuts the engine and the tracer down."""
     from flashvlm.engine.async_engine import AsyncEngine
     from flashvlm.llm import LLM
     from flashvlm.models.default import DEFAULT_MODEL_NAME
@@ -110,7 +137,6 @@ def run(args: argparse.Namespace) -> int:
     from flashvlm.server.admission import Admission
     from flashvlm.server.app import build_app
     from flashvlm.server.budget import adaptive_budget
-    from flashvlm.server.http_server import build_server
     from flashvlm.server.metrics import EngineMetrics
     from flashvlm.server.serving import ServerSettings
     from flashvlm.server.tiers import load_tiers
@@ -148,13 +174,9 @@ def run(args: argparse.Namespace) -> int:
                               tool_call_parser=args.tool_call_parser)
     try:
         app = build_app(engine, settings, metrics, tracer)
-        server = build_server(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                              shutdown_timeout_s=args.shutdown_timeout, header_read_timeout_s=args.header_read_timeout)
-        logging.getLogger("flashvlm.server").setLevel(logging.WARNING if args.disable_log_requests else logging.INFO)
-        print(f"flashvlm serving {names[0]} on http://{args.host}:{args.port}/v1 "
-              f"(max_model_len {engine.max_model_len})", file=sys.stderr)
-        server.run()
-    finally:
+    except BaseException:
         engine.shutdown()
         tracer.shutdown()
-    return 0
+        raise
+    logging.getLogger("flashvlm.server").setLevel(logging.WARNING if args.disable_log_requests else logging.INFO)
+    return app, engine, tracer

@@ -18,4 +18,4 @@ def test_missing_module_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_installed_modules_pass() -> None:
     require_extra("bench", "flashvlm bench", ["json"])
-    assert set(EXTRA_MODULES) == {"serve", "bench"}
+    assert set(EXTRA_MODULES) == {"serve", "bench", "ray"}
