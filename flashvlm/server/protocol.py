@@ -151,8 +151,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = Field(None, description="not supported")
     tool_choice: Any = None
     mm_processor_kwargs: dict[str, Any] | None = Field(
-        None, description="min_pixels / max_pixels (Qwen), mm_token_pruning / mm_token_keep_ratio (visual-token "
-                          "pruning); the engine checks each value (a bad one is a 400 naming it)")
+        None, description="min_pixels / max_pixels (Qwen), mm_token_pruning / mm_token_keep_ratio / "
+                          "mm_token_dedup_threshold (visual-token pruning); the engine checks each value (a bad one "
+                          "is a 400 naming it)")
 
     def check(self) -> None:
         self.common_checks()
