@@ -62,20 +62,19 @@ def _pruning_strategy(name: str, value: Any) -> str | None:
     return strategy_problem(value)
 
 
-def _keep_ratio(name: str, value: Any) -> str | None:
-    try:
-        validate_keep_ratio(value)
-    except PruningSettingError as e:
-        return str(e).replace("mm_token_keep_ratio", name, 1)
-    return None
+def _pruning_check(validate: Any, kwarg: str) -> Any:
+    """An option check from a pruning validator, whose messages name the request kwarg `kwarg`."""
+    def check(name: str, value: Any) -> str | None:
+        try:
+            validate(value)
+        except PruningSettingError as e:
+            return str(e).replace(kwarg, name, 1)
+        return None
+    return check
 
 
-def _dedup_threshold(name: str, value: Any) -> str | None:
-    try:
-        validate_dedup_threshold(value)
-    except PruningSettingError as e:
-        return str(e).replace("mm_token_dedup_threshold", name, 1)
-    return None
+_keep_ratio = _pruning_check(validate_keep_ratio, "mm_token_keep_ratio")
+_dedup_threshold = _pruning_check(validate_dedup_threshold, "mm_token_dedup_threshold")
 
 
 def _device(name: str, value: Any) -> str | None:

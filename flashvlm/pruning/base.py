@@ -85,6 +85,11 @@ class TokenGrid:
         return cls(t, h // merge_size, w // merge_size)
 
 
+def _check_rows(strategy: str, rows: int, what: str, grid: TokenGrid) -> None:
+    if rows != grid.num_tokens:
+        raise ValueError(f"{strategy}: {rows} {what} for a grid of {grid.num_tokens} tokens {grid}")
+
+
 class PruningStrategy(ABC):
     """One way of choosing an image's kept tokens. `select` checks its arguments and calls `_select`, which
     subclasses implement; `_select` must return sorted unique int64 indices on the embeddings' device, at least
@@ -105,9 +110,7 @@ class PruningStrategy(ABC):
         """Sorted int64 indices (into the rows of `embeddings`, on its device) of the tokens to keep."""
         if embeddings.dim() != 2:
             raise ValueError(f"{self.name}: embeddings must be (tokens, dim), got shape {tuple(embeddings.shape)}")
-        if embeddings.shape[0] != grid.num_tokens:
-            raise ValueError(f"{self.name}: {embeddings.shape[0]} embeddings for a grid of "
-                             f"{grid.num_tokens} tokens {grid}")
+        _check_rows(self.name, embeddings.shape[0], "embeddings", grid)
         return self._select(embeddings, grid, validate_keep_ratio(keep_ratio))
 
     @abstractmethod
@@ -135,9 +138,7 @@ class PixelPruningStrategy(ABC):
         if blocks.dim() != 2 or blocks.dtype != torch.uint8:
             raise ValueError(f"{self.name}: pixel blocks must be (tokens, levels) uint8, got "
                              f"{blocks.dtype} {tuple(blocks.shape)}")
-        if blocks.shape[0] != grid.num_tokens:
-            raise ValueError(f"{self.name}: {blocks.shape[0]} pixel blocks for a grid of {grid.num_tokens} tokens "
-                             f"{grid}")
+        _check_rows(self.name, blocks.shape[0], "pixel blocks", grid)
         return self._select_pixels(blocks, grid, validate_keep_ratio(keep_ratio))
 
     @abstractmethod
