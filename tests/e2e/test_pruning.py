@@ -342,6 +342,19 @@ def test_dedup_per_request_keeps_what_the_picture_needs(served: LLM) -> None:
     assert off.token_ids == outs[3].token_ids and default.token_ids == outs[0].token_ids
 
 
+def test_dedup_reads_the_same_pixels_from_model_ready_floats(qwen: str) -> None:
+    """--preprocess-on-gpu (here on the CPU device) hands the items model-ready floats, not the compact image:
+    dedup reads the levels back from them and keeps the same tokens, and the answers are the same."""
+    prompts = [_prompt(_screenshot(60), mm_token_pruning="dedup"), _prompt(_image(61), mm_token_pruning="dedup")]
+    compact, floats = _llm(qwen), _llm(qwen, preprocess_on_gpu=True)
+    item = floats.engine.process_prompt(prompts[0]).mm_items[0]
+    assert item.pixel_values.dtype == torch.float32 and item.pruning.kept.tolist() == \
+        compact.engine.process_prompt(prompts[0]).mm_items[0].pruning.kept.tolist()
+    want, got = compact.generate(prompts, _greedy()), floats.generate(prompts, _greedy())
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.num_image_tokens_kept for o in got] == [10, 14]
+
+
 def test_two_dedup_thresholds_share_the_vision_work_but_no_kv(qwen: str) -> None:
     # A flat picture with a faint ripple (4 levels) and a detailed window: merged at the default threshold 8, not
     # at 2.
