@@ -192,25 +192,37 @@ def test_hand_built_positions_are_transformers_own_when_nothing_is_pruned(qwen: 
     assert (own - hand).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("strategy", ["divprune", "dedup"])
 @torch.inference_mode()
-def test_llava_divprune_matches_transformers_on_hand_built_inputs(llava: str) -> None:
+def test_llava_divprune_and_dedup_match_transformers_on_hand_built_inputs(llava: str, strategy: str) -> None:
     """LLaVA's plain RoPE: kept tokens keep their own positions (offset + index), the text after the image sits
-    where it would after all of it."""
+    where it would after all of it. dedup reads CLIP's normalized floats back to levels."""
     from transformers import LlavaForConditionalGeneration
 
     from flashvlm.pruning.divprune import DivPruneStrategy
 
     llm = _llm(llava)
-    prompt = _prompt(_image(2), placeholder=LLAVA_IMAGE, mm_token_pruning="divprune", mm_token_keep_ratio=0.5)
+    image, ratio = _image(2), 0.5
+    if strategy == "dedup":
+        image[:, 98:], ratio = 30, 1.0  # the right half flat: about half of the tokens, uncapped
+    prompt = _prompt(image, placeholder=LLAVA_IMAGE, mm_token_pruning=strategy, mm_token_keep_ratio=ratio)
     processed = llm.engine.process_prompt(prompt)
     item = processed.mm_items[0]
     grid = item.pruning.grid
-    assert grid.t == 1 and grid.num_tokens == item.encoder_tokens and item.num_tokens == -(-grid.num_tokens // 2)
+    assert grid.t == 1 and grid.num_tokens == item.encoder_tokens
+    if strategy == "divprune":
+        assert item.num_tokens == -(-grid.num_tokens // 2)
+    else:
+        assert grid.num_tokens // 2 <= item.num_tokens < grid.num_tokens
     (out,), (ours_logits,) = _run(llm, [prompt])
 
     hf = _Transformers(LlavaForConditionalGeneration, llava)
     feats = hf.model.model.get_image_features(item.pixel_values[None]).pooler_output[0]
-    kept = DivPruneStrategy().select(feats, grid, 0.5)
+    if strategy == "divprune":
+        kept = DivPruneStrategy().select(feats, grid, 0.5)
+    else:
+        inputs = llm.engine.input_processor.image_inputs
+        kept = DedupStrategy().select_pixels(inputs.token_pixels(item), grid, ratio)
     ids = torch.tensor(processed.prompt_token_ids)
     embeds = hf.model.get_input_embeddings()(ids)
     embeds[item.offset:item.end] = feats[kept]
