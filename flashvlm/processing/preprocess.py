@@ -155,7 +155,7 @@ def pixel_levels(x: torch.Tensor, proc: PixelSettings, channel_dim: int) -> torc
             torch.tensor(proc.image_mean, device=x.device).view(shape)
     if proc.do_rescale:
         x = x / proc.rescale_factor
-    return x.round_().clamp_(0, 255).to(torch.uint8)
+    return x.round().clamp_(0, 255).to(torch.uint8)  # not in place: x may be the item's (shared) pixels
 
 
 def token_blocks(image: torch.Tensor, block: int) -> torch.Tensor:

@@ -136,6 +136,10 @@ def test_pixel_levels_undo_normalize_exactly() -> None:
                  QwenImageProcessor(do_rescale=False, do_normalize=False)):
         floats = normalize(levels, proc, None)
         assert torch.equal(pixel_levels(floats, proc, channel_dim=2), torch.from_numpy(levels))
+    # The item's pixels (maybe the pixel cache's) are read, never written, even where nothing is undone.
+    raw = torch.tensor([[[1.4, 2.6, 300.0]]])
+    levels = pixel_levels(raw, QwenImageProcessor(do_rescale=False, do_normalize=False), channel_dim=2)
+    assert levels.tolist() == [[[1, 3, 255]]] and raw.tolist() == [[[1.399999976158142, 2.5999999046325684, 300.0]]]
 
 
 def test_qwen_compact_and_model_ready_pixels_choose_the_same_tokens() -> None:
