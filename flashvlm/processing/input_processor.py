@@ -101,6 +101,11 @@ class InputProcessor:
 
             raise ConfigError(f"mm_token_pruning {pruning.strategy!r}: this model's image tokens form no grid (e.g. "
                               "LLaVA with vision_feature_select_strategy 'full' keeps the CLS token); use 'none'")
+        if pruning.strategy == "dedup" and not hasattr(self.image_inputs, "token_pixels"):
+            from flashvlm.config import ConfigError
+
+            raise ConfigError("mm_token_pruning 'dedup': this model's images give no per-token pixels; use pool or "
+                              "divprune")
 
     # ---- prompts -------------------------------------------------------------------------------
     def process(self, prompt: str | dict[str, Any], mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:

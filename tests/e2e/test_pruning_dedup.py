@@ -82,3 +82,20 @@ def test_two_dedup_thresholds_share_the_vision_work_but_no_kv(qwen: str) -> None
                                   mm_token_dedup_threshold=0)])
     assert 0 < other[0].num_cached_tokens <= offset
     assert calls == [1, 1]
+
+
+def test_a_family_without_per_token_pixels_refuses_dedup(qwen: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`token_pixels` is optional in a family's image part: without it, dedup is a ConfigError as the engine's
+    default and an InvalidRequestError per request, and the other strategies run."""
+    from flashvlm.config import ConfigError
+    from flashvlm.processing.qwen_image import QwenImageInputs
+    from flashvlm.request import InvalidRequestError
+
+    monkeypatch.delattr(QwenImageInputs, "token_pixels")
+    with pytest.raises(ConfigError, match="no per-token pixels"):
+        _llm(qwen, mm_token_pruning="dedup")
+    llm = _llm(qwen)
+    with pytest.raises(InvalidRequestError, match="no per-token pixels"):
+        llm.generate([_prompt(_screenshot(70), mm_token_pruning="dedup")], _greedy(2))
+    out = llm.generate([_prompt(_screenshot(70), mm_token_pruning="pool")], _greedy(2))[0]
+    assert out.num_image_tokens_kept == 14
