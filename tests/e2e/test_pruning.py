@@ -1,7 +1,7 @@
 """Visual-token pruning in the engine on tiny checkpoints (CPU, float32, greedy): the engine's pruned prompt against
 transformers run on inputs built by hand from its own vision embeddings (pool, divprune, dedup), the full
 embeddings shared by two keep ratios of one image (but no KV), chunked prefill and preemption through pruned
-images, and bad settings. What only dedup does: test_pruning_dedup.py."""
+images, and bad settings. What only dedup does: test_dedup_engine.py."""
 
 from __future__ import annotations
 
