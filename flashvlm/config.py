@@ -15,7 +15,7 @@ from typing import Any
 from flashvlm.option_spec import EngineOption, collect_options, option
 from flashvlm.pruning.base import PruningSettingError, validate_keep_ratio
 from flashvlm.pruning.registry import PRUNING_STRATEGIES
-from flashvlm.pruning.setting import strategy_problem
+from flashvlm.pruning.setting import DEFAULT_DEDUP_THRESHOLD, strategy_problem, validate_dedup_threshold
 from flashvlm.quant.registry import QUANTIZATION_CHOICES
 
 
@@ -62,12 +62,19 @@ def _pruning_strategy(name: str, value: Any) -> str | None:
     return strategy_problem(value)
 
 
-def _keep_ratio(name: str, value: Any) -> str | None:
-    try:
-        validate_keep_ratio(value)
-    except PruningSettingError as e:
-        return str(e).replace("mm_token_keep_ratio", name, 1)
-    return None
+def _pruning_check(validate: Any, kwarg: str) -> Any:
+    """An option check from a pruning validator, whose messages name the request kwarg `kwarg`."""
+    def check(name: str, value: Any) -> str | None:
+        try:
+            validate(value)
+        except PruningSettingError as e:
+            return str(e).replace(kwarg, name, 1)
+        return None
+    return check
+
+
+_keep_ratio = _pruning_check(validate_keep_ratio, "mm_token_keep_ratio")
+_dedup_threshold = _pruning_check(validate_dedup_threshold, "mm_token_dedup_threshold")
 
 
 def _device(name: str, value: Any) -> str | None:
@@ -99,12 +106,19 @@ class ModelConfig:
     mm_token_pruning: str = option(
         "none", choices=PRUNING_STRATEGIES, check=_pruning_strategy,
         help="visual-token pruning: which of an image's merged tokens the language model sees (docs/pruning.md); "
-             "none = all; pool = an evenly spread subset; divprune = the most diverse subset; dedup is not run by "
-             "the engine yet. A request overrides it with mm_processor_kwargs {\"mm_token_pruning\": ...}")
+             "none = all; pool = an evenly spread subset; divprune = the most diverse subset; dedup = what is not a "
+             "near-duplicate of its neighbour, so the count follows the picture (at most the keep ratio). A request "
+             "overrides it with mm_processor_kwargs {\"mm_token_pruning\": ...}")
     mm_token_keep_ratio: float = option(
         0.25, check=_keep_ratio,
         help="share of an image's tokens a pruning strategy keeps, in (0, 1]: ceil(tokens * ratio); no effect with "
-             "mm_token_pruning none. A request overrides it with mm_processor_kwargs {\"mm_token_keep_ratio\": ...}")
+             "mm_token_pruning none; for dedup, the most it keeps. A request overrides it with mm_processor_kwargs "
+             "{\"mm_token_keep_ratio\": ...}")
+    mm_token_dedup_threshold: float = option(
+        DEFAULT_DEDUP_THRESHOLD, check=_dedup_threshold,
+        help="dedup only: neighbouring image tokens whose pixel blocks differ by at most this many intensity levels "
+             "(of 0-255) at every pixel are merged; 0 = only exact repeats. A request overrides it with "
+             "mm_processor_kwargs {\"mm_token_dedup_threshold\": ...}")
     hf_overrides: dict[str, Any] = option(default_factory=dict, cli=False,
                                           help="keyword overrides for the checkpoint's transformers config "
                                                "(passed to AutoConfig.from_pretrained)")

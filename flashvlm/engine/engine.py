@@ -24,6 +24,7 @@ from flashvlm.kernels.dispatch import set_kernel_backend
 from flashvlm.layers.linear import GEMV_MAX_ROWS, set_gemv_max_rows
 from flashvlm.models.loader import load_model, read_checkpoint, resolve_dtype
 from flashvlm.processing.input_processor import InputProcessor, ProcessedPrompt
+from flashvlm.pruning.setting import PruningChoice
 from flashvlm.quant.apply import quantization_summary
 from flashvlm.quant.plan import resolve_plan
 from flashvlm.request import (
@@ -70,7 +71,8 @@ class Engine:
         self.input_processor = InputProcessor(self.checkpoint, text_cfg.vocab_size, self.model.image_token_id,
                                               pixel_cache_bytes=PIXEL_CACHE_BYTES if caching else 0,
                                               preprocess_device=config.device if config.preprocess_on_gpu else None,
-                                              pruning=(mc.mm_token_pruning, mc.mm_token_keep_ratio))
+                                              pruning=PruningChoice(mc.mm_token_pruning, mc.mm_token_keep_ratio,
+                                                                    mc.mm_token_dedup_threshold))
         self.runner = ModelRunner(config, self.model, self.dtype, max_model_len=max_len,
                                   attention_backend=attention_backend)
         kv_scale_source = self.runner.set_kv_scales(kv_scheme)

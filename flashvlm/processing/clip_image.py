@@ -19,8 +19,10 @@ from flashvlm.processing.preprocess import (
     cached_preprocess,
     check_image_shape,
     normalize,
+    pixel_levels,
     positive_int,
     to_rgb,
+    token_blocks,
 )
 from flashvlm.pruning.base import TokenGrid
 from flashvlm.request import InvalidRequestError, MMItem
@@ -185,3 +187,8 @@ class ClipImageInputs:
         proc = self.processor
         height, width = proc.crop_hw if proc.do_center_crop else proc.resize_hw
         return TokenGrid(1, height // self.patch_size, width // self.patch_size)
+
+    def token_pixels(self, item: MMItem) -> torch.Tensor:
+        """(tokens, F) uint8: the cropped image's levels in each patch of `token_grid`."""
+        levels = pixel_levels(torch.as_tensor(item.pixel_values), self.processor, channel_dim=0)
+        return token_blocks(levels.permute(1, 2, 0), self.patch_size)

@@ -22,13 +22,21 @@ from flashvlm.models.loader import Checkpoint
 from flashvlm.processing.images import load_image, rgb_array
 from flashvlm.processing.preprocess import SourceImage
 from flashvlm.processing.tool_prompt import check_tools, with_tools
-from flashvlm.pruning.base import PruningSettingError, kept_count
-from flashvlm.pruning.setting import NO_GRID_EXAMPLES, PRUNING_KWARGS, pruning_for, resolve_setting
+from flashvlm.pruning.base import PruningSettingError
+from flashvlm.pruning.setting import (
+    NO_GRID_EXAMPLES,
+    PRUNING_KWARGS,
+    PruningChoice,
+    pruning_for,
+    resolve_setting,
+    strategy_of,
+)
 from flashvlm.request import InvalidRequestError, MMItem
 
 _IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 _TOOL_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name")
 """Message fields the chat template (or processing.tool_prompt) reads besides role and content."""
+NO_PRUNING = PruningChoice()
 
 
 @dataclass
@@ -83,7 +91,7 @@ class InputProcessor:
 
     def __init__(self, checkpoint: Checkpoint, vocab_size: int, image_token_id: int,
                  max_images_per_prompt: int = 16, pixel_cache_bytes: int = 256 << 20,
-                 preprocess_device: str | None = None, pruning: tuple[str, float] = ("none", 1.0)) -> None:
+                 preprocess_device: str | None = None, pruning: PruningChoice = NO_PRUNING) -> None:
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
         self.vocab_size = vocab_size
@@ -98,12 +106,17 @@ class InputProcessor:
         self.preprocess_device = preprocess_device
         """Where rescale/normalize/patchify run (None: CPU); decoding and resizing always run on the CPU."""
         self.pruning = pruning
-        """The engine's (mm_token_pruning, mm_token_keep_ratio); a request's mm_processor_kwargs override them."""
-        if pruning[0] != "none" and self.image_inputs.token_grid(self.image_inputs.profile_item()) is None:
+        """The engine's mm_token_pruning options; a request's mm_processor_kwargs override them."""
+        if pruning.strategy != "none" and self.image_inputs.token_grid(self.image_inputs.profile_item()) is None:
             from flashvlm.config import ConfigError
 
-            raise ConfigError(f"mm_token_pruning {pruning[0]!r}: this model's image tokens form no grid "
+            raise ConfigError(f"mm_token_pruning {pruning.strategy!r}: this model's image tokens form no grid "
                               f"({NO_GRID_EXAMPLES}); use 'none'")
+        if pruning.strategy == "dedup" and not hasattr(self.image_inputs, "token_pixels"):
+            from flashvlm.config import ConfigError
+
+            raise ConfigError("mm_token_pruning 'dedup': this model's images give no per-token pixels; use pool or "
+                              "divprune")
 
     # ---- prompts -------------------------------------------------------------------------------
     def process(self, prompt: str | dict[str, Any], mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
@@ -216,18 +229,19 @@ class InputProcessor:
             self._prune(item, setting)
         return ProcessedPrompt(self._expand_placeholders(token_ids, items), items)
 
-    def _pruning_setting(self, kwargs: dict) -> tuple[str, float]:
+    def _pruning_setting(self, kwargs: dict) -> PruningChoice:
         try:
             return resolve_setting(self.pruning, kwargs)
         except PruningSettingError as e:
             raise InvalidRequestError(str(e)) from None
 
-    def _prune(self, item: MMItem, setting: tuple[str, float]) -> None:
+    def _prune(self, item: MMItem, setting: PruningChoice) -> None:
         """Give the item its pruning setting and expand its placeholders to the kept count (the tower still
-        yields `item.encoder_tokens`)."""
-        strategy, ratio = setting
+        yields `item.encoder_tokens`). dedup decides its kept tokens here, from the item's pixels."""
+        token_pixels = getattr(self.image_inputs, "token_pixels", None)
         try:
-            item.pruning = pruning_for(strategy, ratio, self.image_inputs.token_grid(item), item.num_tokens)
+            item.pruning = pruning_for(setting, self.image_inputs.token_grid(item), item.num_tokens,
+                                       None if token_pixels is None else lambda: token_pixels(item))
         except PruningSettingError as e:
             raise InvalidRequestError(str(e)) from None
         if item.pruning is not None:
@@ -237,11 +251,12 @@ class InputProcessor:
         """Stand-ins for the heaviest vision batch one step can hold, for memory profiling: the largest image
         a request may send, repeated as often as the step's token budget covers (once for an image that outweighs
         the budget). Pixel values are zeros: only shapes matter. With the engine's pruning on, a step's token budget
-        holds the placeholders of more images: as many as its kept count covers."""
+        holds the placeholders of more images: as many as its fewest kept tokens cover (dedup: one a tile)."""
         item = self.image_inputs.profile_item()
         per_image = item.num_tokens
-        if self.pruning[0] != "none":
-            per_image = kept_count(item.num_tokens, self.pruning[1])
+        if self.pruning.strategy != "none":
+            grid = self.image_inputs.token_grid(item)
+            per_image = strategy_of(self.pruning).fewest_kept(grid, self.pruning.keep_ratio)
         return [item] * max(1, budget_tokens // per_image)
 
     def _preprocess(self, src: Any, kwargs: dict, index: int) -> MMItem:

@@ -69,6 +69,9 @@ class ImageInputs(Protocol):
         strategies select on); None where the tokens form no grid."""
         ...
 
+    # A family may also define `token_pixels(item) -> Tensor`: (tokens, F) uint8, row i the intensity levels of
+    # the preprocessed pixels token i of `token_grid` covers (what dedup compares); without it, dedup is refused.
+
 
 @dataclass
 class PixelSettings:
@@ -156,6 +159,29 @@ def normalize(arr: np.ndarray, proc: PixelSettings, device: torch.device | str |
         std = torch.tensor(proc.image_std, dtype=torch.float32, device=x.device)
         x = (x - mean) / std
     return x
+
+
+def pixel_levels(x: torch.Tensor, proc: PixelSettings, channel_dim: int) -> torch.Tensor:
+    """The uint8 intensity levels that `normalize` turned into `x` (channels along `channel_dim`): its steps
+    undone and rounded, which recovers each level exactly (the float32 round trip is off by far less than 0.5)."""
+    x = x.float()
+    if proc.do_normalize:
+        shape = [1] * x.dim()
+        shape[channel_dim] = -1
+        x = x * torch.tensor(proc.image_std, device=x.device).view(shape) + \
+            torch.tensor(proc.image_mean, device=x.device).view(shape)
+    if proc.do_rescale:
+        x = x / proc.rescale_factor
+    return x.round().clamp_(0, 255).to(torch.uint8)  # not in place: x may be the item's (shared) pixels
+
+
+def token_blocks(image: torch.Tensor, block: int) -> torch.Tensor:
+    """(H, W, C) pixels -> (H // block * W // block, block * block * C): the pixels of each block x block block, in
+    raster order of the blocks (a row or column left over past the last whole block is not covered)."""
+    h, w, c = image.shape
+    rows, cols = h // block, w // block
+    image = image[:rows * block, :cols * block]
+    return image.reshape(rows, block, cols, block, c).permute(0, 2, 1, 3, 4).reshape(rows * cols, -1)
 
 
 def value_table(proc: PixelSettings) -> torch.Tensor:

@@ -19,8 +19,10 @@ from flashvlm.processing.preprocess import (
     PixelSettings,
     SourceImage,
     check_image_shape,
+    pixel_levels,
     positive_int,
     to_rgb,
+    token_blocks,
     value_table,
 )
 from flashvlm.processing.qwen_grid import largest_qwen_grid, qwen_target_size
@@ -226,6 +228,15 @@ class QwenImageInputs:
         """The (t, h, w) patch grid divided by the merge size: the patch merger folds each merge x merge window
         into one token, and the windows come in raster order (`_patchify`)."""
         return TokenGrid.from_patch_grid(item.layout, self.processor.merge_size)
+
+    def token_pixels(self, item: MMItem) -> torch.Tensor:
+        """(tokens, F) uint8: the resized image's levels in each merged token's (patch * merge)^2 block, from the
+        compact image or from the model-ready rows (whose merge^2 rows a token are consecutive, `_patchify`)."""
+        proc, pixels = self.processor, item.pixel_values
+        if pixels.dtype == torch.uint8:
+            return token_blocks(pixels, proc.factor)
+        levels = pixel_levels(pixels.reshape(pixels.shape[0], 3, -1), proc, channel_dim=1)
+        return levels.reshape(pixels.shape[0] // proc.merge_size ** 2, -1)
 
     def _pixels(self, image: SourceImage, kwargs: dict, cache: PixelCache,
                 device: str | None) -> tuple[str, torch.Tensor, Grid, bool]:

@@ -1,10 +1,13 @@
 """The contract of a visual-token pruning strategy, and the one definition of how many tokens a keep ratio keeps.
 
-A strategy sees one image's merged embeddings, `(N, D)` in the raster order of its `TokenGrid` (frame, row,
-column), and returns the indices of the tokens to keep, sorted, so the kept tokens stay in raster order and each
-keeps its own (t, h, w) position. It never changes an embedding, so the encoder cache's full embeddings serve
-every strategy and ratio. This module imports no torch at run time (the scheduler and the input processor read
-`kept_count` and `validate_keep_ratio`)."""
+A strategy returns the indices of an image's tokens to keep, sorted, so the kept tokens stay in raster order of
+its `TokenGrid` (frame, row, column) and each keeps its own (t, h, w) position. An embedding strategy
+(`PruningStrategy`: pool, divprune) sees the tower's merged embeddings `(N, D)` and keeps a count known from the
+ratio alone; a pixel strategy (`PixelPruningStrategy`: dedup) sees the preprocessed pixels each token covers
+`(N, F)`, before the tower, so a count that follows the picture is still known when the prompt's placeholders are
+expanded. Neither changes an embedding, so the encoder cache's full embeddings serve every strategy and ratio.
+This module imports no torch at run time (the scheduler and the input processor read `kept_count` and
+`validate_keep_ratio`)."""
 
 from __future__ import annotations
 
@@ -82,6 +85,11 @@ class TokenGrid:
         return cls(t, h // merge_size, w // merge_size)
 
 
+def _check_rows(strategy: str, rows: int, what: str, grid: TokenGrid) -> None:
+    if rows != grid.num_tokens:
+        raise ValueError(f"{strategy}: {rows} {what} for a grid of {grid.num_tokens} tokens {grid}")
+
+
 class PruningStrategy(ABC):
     """One way of choosing an image's kept tokens. `select` checks its arguments and calls `_select`, which
     subclasses implement; `_select` must return sorted unique int64 indices on the embeddings' device, at least
@@ -90,21 +98,49 @@ class PruningStrategy(ABC):
 
     name: ClassVar[str]
 
-    def planned_count(self, num_tokens: int, keep_ratio: float) -> int | None:
-        """How many tokens `select` will keep, known before the vision tower runs: `kept_count` for strategies
-        whose count does not depend on the picture; None for those whose count follows the content (`dedup`),
-        which keep at most `kept_count(num_tokens, keep_ratio)`."""
+    def planned_count(self, num_tokens: int, keep_ratio: float) -> int:
+        """How many tokens `select` will keep: it does not depend on the picture."""
         return kept_count(num_tokens, keep_ratio)
+
+    def fewest_kept(self, grid: TokenGrid, keep_ratio: float) -> int:
+        """The fewest tokens it keeps of an image of `grid` (the memory profile's bound)."""
+        return self.planned_count(grid.num_tokens, keep_ratio)
 
     def select(self, embeddings: Tensor, grid: TokenGrid, keep_ratio: float) -> Tensor:
         """Sorted int64 indices (into the rows of `embeddings`, on its device) of the tokens to keep."""
         if embeddings.dim() != 2:
             raise ValueError(f"{self.name}: embeddings must be (tokens, dim), got shape {tuple(embeddings.shape)}")
-        if embeddings.shape[0] != grid.num_tokens:
-            raise ValueError(f"{self.name}: {embeddings.shape[0]} embeddings for a grid of "
-                             f"{grid.num_tokens} tokens {grid}")
+        _check_rows(self.name, embeddings.shape[0], "embeddings", grid)
         return self._select(embeddings, grid, validate_keep_ratio(keep_ratio))
 
     @abstractmethod
     def _select(self, embeddings: Tensor, grid: TokenGrid, keep_ratio: float) -> Tensor:
+        raise NotImplementedError
+
+
+class PixelPruningStrategy(ABC):
+    """One way of choosing an image's kept tokens from the pixels each token covers, before the vision tower:
+    `blocks` is `(N, F)` uint8, row i the F intensity levels (0-255, every pixel and channel, in one order shared
+    by all rows) of token i's block of the preprocessed image. `select_pixels` checks its arguments and calls
+    `_select_pixels`, which returns sorted unique int64 indices on the blocks' device, at least one and at most
+    `kept_count(N, keep_ratio)`, the same ones every call for the same inputs."""
+
+    name: ClassVar[str]
+
+    def fewest_kept(self, grid: TokenGrid, keep_ratio: float) -> int:
+        """The fewest tokens `select_pixels` may keep of an image of `grid` (the memory profile's bound)."""
+        return 1
+
+    def select_pixels(self, blocks: Tensor, grid: TokenGrid, keep_ratio: float) -> Tensor:
+        """Sorted int64 indices (into the rows of `blocks`, on its device) of the tokens to keep."""
+        import torch
+
+        if blocks.dim() != 2 or blocks.dtype != torch.uint8:
+            raise ValueError(f"{self.name}: pixel blocks must be (tokens, levels) uint8, got "
+                             f"{blocks.dtype} {tuple(blocks.shape)}")
+        _check_rows(self.name, blocks.shape[0], "pixel blocks", grid)
+        return self._select_pixels(blocks, grid, validate_keep_ratio(keep_ratio))
+
+    @abstractmethod
+    def _select_pixels(self, blocks: Tensor, grid: TokenGrid, keep_ratio: float) -> Tensor:
         raise NotImplementedError

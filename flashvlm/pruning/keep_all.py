@@ -10,7 +10,7 @@ from flashvlm.pruning.base import PruningStrategy, TokenGrid
 class KeepAllStrategy(PruningStrategy):
     name = "none"
 
-    def planned_count(self, num_tokens: int, keep_ratio: float) -> int | None:
+    def planned_count(self, num_tokens: int, keep_ratio: float) -> int:
         return num_tokens
 
     def _select(self, embeddings: torch.Tensor, grid: TokenGrid, keep_ratio: float) -> torch.Tensor:

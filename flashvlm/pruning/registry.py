@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from flashvlm.pruning.base import PruningStrategy, UnknownPruningStrategyError
+from flashvlm.pruning.base import PixelPruningStrategy, PruningStrategy, UnknownPruningStrategyError
 
 _STRATEGIES: dict[str, tuple[str, str]] = {
     "none": ("flashvlm.pruning.keep_all", "KeepAllStrategy"),
@@ -17,8 +17,9 @@ _STRATEGIES: dict[str, tuple[str, str]] = {
 PRUNING_STRATEGIES: tuple[str, ...] = tuple(_STRATEGIES)
 
 
-def get_strategy(name: str, **params: Any) -> PruningStrategy:
-    """The strategy called `name`, built with `params` (its constructor's keywords, e.g. dedup's threshold)."""
+def get_strategy(name: str, **params: Any) -> PruningStrategy | PixelPruningStrategy:
+    """The strategy called `name`, built with `params` (its constructor's keywords, e.g. dedup's threshold): a
+    `PixelPruningStrategy` for dedup, which decides from pixels before the vision tower, else a `PruningStrategy`."""
     if not isinstance(name, str) or name not in _STRATEGIES:
         raise UnknownPruningStrategyError(
             f"unknown visual-token pruning strategy {name!r}; flashvlm has {', '.join(PRUNING_STRATEGIES)}")

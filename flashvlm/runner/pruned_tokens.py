@@ -2,8 +2,9 @@
 positions of those that do.
 
 The encoder outputs hold every image's full embeddings by mm_hash, so settings that differ share the vision
-tower's work. A pruned item's kept indices are chosen once per (mm_hash, setting) from those full embeddings,
-when a scheduled chunk first reaches the item's placeholders, and dropped with the encoder output. A request's
+tower's work. A pruned item's kept indices are chosen once per (mm_hash, setting) from those full embeddings
+(or, for dedup, were decided from the pixels by the input processor and are copied over), when a scheduled chunk
+first reaches the item's placeholders, and dropped with the encoder output. A request's
 prompt positions are computed at its first step, possibly before its images are encoded (chunked prefill): the
 text positions do not depend on the kept tokens, and the image spans are rewritten here once their indices are
 known, before the step's inputs are built. Both the splice and the positions read the same indices, so the
@@ -19,6 +20,14 @@ from flashvlm.engine.sched_output import SchedulerOutput
 from flashvlm.models.interfaces import VLModel
 from flashvlm.request import MMItem, Request
 from flashvlm.runner.inputs import PositionStore
+
+
+def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    indices = torch.tensor(host, dtype=torch.int64)
+    if device.type != "cuda":
+        return indices.to(device)
+    # Copies from pinned memory are asynchronous; from pageable memory the driver may wait for the stream.
+    return indices.pin_memory().to(device, non_blocking=True)
 
 
 class KeptTokens:
@@ -39,11 +48,16 @@ class KeptTokens:
         by_setting = self._kept.setdefault(item.mm_hash, {})
         found = by_setting.get(item.pruning.key)
         if found is None:
-            chosen = item.pruning.select(embeddings)
-            if chosen.shape[0] != item.num_tokens:
-                raise RuntimeError(f"{item.pruning.strategy} kept {chosen.shape[0]} tokens of image {item.mm_hash}; "
+            if item.pruning.kept is not None:  # decided from the pixels (dedup): no sync, only a copy over
+                host = item.pruning.kept
+                chosen = _to_device(host, embeddings.device)
+            else:
+                chosen = item.pruning.select(embeddings)
+                host = chosen.cpu().numpy()
+            if host.shape[0] != item.num_tokens:
+                raise RuntimeError(f"{item.pruning.strategy} kept {host.shape[0]} tokens of image {item.mm_hash}; "
                                    f"its prompt holds {item.num_tokens} placeholders")
-            found = by_setting[item.pruning.key] = (chosen, chosen.cpu().numpy())
+            found = by_setting[item.pruning.key] = (chosen, host)
             self.num_selections += 1
         return found
 

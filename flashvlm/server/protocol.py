@@ -160,8 +160,9 @@ class ChatCompletionRequest(_SamplingFields):
                                                               "{\"type\": \"function\", \"function\": {\"name\": ...}}")
     parallel_tool_calls: bool = Field(True, description="accepted; the model may write several calls either way")
     mm_processor_kwargs: dict[str, Any] | None = Field(
-        None, description="min_pixels / max_pixels (Qwen), mm_token_pruning / mm_token_keep_ratio (visual-token "
-                          "pruning); the engine checks each value (a bad one is a 400 naming it)")
+        None, description="min_pixels / max_pixels (Qwen), mm_token_pruning / mm_token_keep_ratio / "
+                          "mm_token_dedup_threshold (visual-token pruning); the engine checks each value (a bad one "
+                          "is a 400 naming it)")
 
     _tool_mode: ToolMode = PrivateAttr(default_factory=lambda: ToolMode("off"))
 

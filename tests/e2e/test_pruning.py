@@ -1,6 +1,7 @@
 """Visual-token pruning in the engine on tiny checkpoints (CPU, float32, greedy): the engine's pruned prompt against
-transformers run on inputs built by hand from its own vision embeddings, the full embeddings shared by two keep
-ratios of one image (but no KV), chunked prefill and preemption through pruned images, and bad settings."""
+transformers run on inputs built by hand from its own vision embeddings (pool, divprune, dedup), the full
+embeddings shared by two keep ratios of one image (but no KV), chunked prefill and preemption through pruned
+images, and bad settings. What only dedup does: test_dedup_engine.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 
 from flashvlm import LLM, SamplingParams
 from flashvlm.config import ConfigError
+from flashvlm.processing.preprocess import token_blocks
 from flashvlm.pruning.base import TokenGrid
+from flashvlm.pruning.dedup import DedupStrategy
 from flashvlm.pruning.pool import pool_indices
 from flashvlm.request import InvalidRequestError
 from flashvlm.testing.tiny_checkpoints import build_llava, build_llava_next, build_qwen2_vl
@@ -56,6 +59,19 @@ def _llm(path: str, **kw) -> LLM:
 def _image(seed: int, w: int = 196, h: int = 224) -> np.ndarray:
     """196x224: a (1, 16, 14) patch grid, 8 x 7 = 56 merged tokens on Qwen."""
     return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def _screenshot(seed: int, w: int = 196, h: int = 224) -> np.ndarray:
+    """A flat margin around a 2 x 3 token window of noise (Qwen's 28 px tokens): 6 of the 56 tokens hold detail."""
+    image = np.full((h, w, 3), 240, dtype=np.uint8)
+    image[56:112, 28:112] = np.random.default_rng(seed).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    return image
+
+
+def _dedup_kept(image: np.ndarray, ratio: float = 0.25, **params) -> np.ndarray:
+    """What dedup keeps of a Qwen image that needs no resize, computed here from the pixels."""
+    grid = TokenGrid(1, image.shape[0] // 28, image.shape[1] // 28)
+    return DedupStrategy(**params).select_pixels(token_blocks(torch.from_numpy(image), 28), grid, ratio).numpy()
 
 
 def _prompt(image: np.ndarray, text: str = " What is in it?", placeholder: str = QWEN_IMAGE, **pruning) -> dict:
@@ -117,26 +133,33 @@ class _Transformers:
         return tokens, first
 
 
-@pytest.mark.parametrize("variant", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize(("variant", "strategy"), [("qwen2_vl", "pool"), ("qwen2_5_vl", "pool"),
+                                                  ("qwen2_vl", "dedup"), ("qwen2_5_vl", "dedup")])
 @torch.inference_mode()
-def test_pool_matches_transformers_on_hand_built_inputs(variant: str, request) -> None:
+def test_pool_and_dedup_match_transformers_on_hand_built_inputs(variant: str, strategy: str, request) -> None:
     import transformers
 
     qwen = request.getfixturevalue("qwen" if variant == "qwen2_vl" else "qwen25")
     cls = (transformers.Qwen2VLForConditionalGeneration if variant == "qwen2_vl"
            else transformers.Qwen2_5_VLForConditionalGeneration)
-    llm = _llm(qwen, mm_token_pruning="pool", mm_token_keep_ratio=0.5)
-    prompt = _prompt(_image(1))
+    llm = _llm(qwen, mm_token_pruning=strategy, mm_token_keep_ratio=0.5)
+    image = _image(1) if strategy == "pool" else _screenshot(1)
+    # dedup: the 6 window tokens (rows 2-3, columns 1-3) and the top-left token of each of the 2 x 2 tiles (4 x 4
+    # tokens); every other margin token equals its left or upper neighbour in its tile (written out from the rule).
+    kept = pool_indices(TokenGrid(1, 8, 7), 28).numpy() if strategy == "pool" else \
+        np.array([0, 4, 15, 16, 17, 22, 23, 24, 28, 32])
+    if strategy == "dedup":
+        np.testing.assert_array_equal(_dedup_kept(image, 0.5), kept)
+    prompt = _prompt(image)
     processed = llm.engine.process_prompt(prompt)
     item = processed.mm_items[0]
     assert item.pruning is not None and item.pruning.grid == TokenGrid(1, 8, 7)
-    assert item.encoder_tokens == 56 and item.num_tokens == 28 and item.end - item.offset == 28
+    assert item.encoder_tokens == 56 and item.num_tokens == len(kept) and item.end - item.offset == len(kept)
     (out,), (ours_logits,) = _run(llm, [prompt])
-    assert out.num_image_tokens == 56 and out.num_image_tokens_kept == 28
+    assert out.num_image_tokens == 56 and out.num_image_tokens_kept == len(kept)
 
     hf = _Transformers(cls, qwen)
     feats = hf.model.model.get_image_features(item.model_pixels(), torch.tensor([item.layout])).pooler_output[0]
-    kept = pool_indices(TokenGrid(1, 8, 7), 28).numpy()
     ids = torch.tensor(processed.prompt_token_ids)
     embeds = hf.model.get_input_embeddings()(ids)
     embeds[item.offset:item.end] = feats[torch.from_numpy(kept)]
@@ -169,25 +192,37 @@ def test_hand_built_positions_are_transformers_own_when_nothing_is_pruned(qwen: 
     assert (own - hand).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("strategy", ["divprune", "dedup"])
 @torch.inference_mode()
-def test_llava_divprune_matches_transformers_on_hand_built_inputs(llava: str) -> None:
+def test_llava_divprune_and_dedup_match_transformers_on_hand_built_inputs(llava: str, strategy: str) -> None:
     """LLaVA's plain RoPE: kept tokens keep their own positions (offset + index), the text after the image sits
-    where it would after all of it."""
+    where it would after all of it. dedup reads CLIP's normalized floats back to levels."""
     from transformers import LlavaForConditionalGeneration
 
     from flashvlm.pruning.divprune import DivPruneStrategy
 
     llm = _llm(llava)
-    prompt = _prompt(_image(2), placeholder=LLAVA_IMAGE, mm_token_pruning="divprune", mm_token_keep_ratio=0.5)
+    image, ratio = _image(2), 0.5
+    if strategy == "dedup":
+        image[:, 98:], ratio = 30, 1.0  # the right half flat: about half of the tokens, uncapped
+    prompt = _prompt(image, placeholder=LLAVA_IMAGE, mm_token_pruning=strategy, mm_token_keep_ratio=ratio)
     processed = llm.engine.process_prompt(prompt)
     item = processed.mm_items[0]
     grid = item.pruning.grid
-    assert grid.t == 1 and grid.num_tokens == item.encoder_tokens and item.num_tokens == -(-grid.num_tokens // 2)
+    assert grid.t == 1 and grid.num_tokens == item.encoder_tokens
+    if strategy == "divprune":
+        assert item.num_tokens == -(-grid.num_tokens // 2)
+    else:
+        assert grid.num_tokens // 2 <= item.num_tokens < grid.num_tokens
     (out,), (ours_logits,) = _run(llm, [prompt])
 
     hf = _Transformers(LlavaForConditionalGeneration, llava)
     feats = hf.model.model.get_image_features(item.pixel_values[None]).pooler_output[0]
-    kept = DivPruneStrategy().select(feats, grid, 0.5)
+    if strategy == "divprune":
+        kept = DivPruneStrategy().select(feats, grid, 0.5)
+    else:
+        inputs = llm.engine.input_processor.image_inputs
+        kept = DedupStrategy().select_pixels(inputs.token_pixels(item), grid, ratio)
     ids = torch.tensor(processed.prompt_token_ids)
     embeds = hf.model.get_input_embeddings()(ids)
     embeds[item.offset:item.end] = feats[kept]
@@ -205,6 +240,9 @@ def test_memory_profile_counts_the_images_a_pruned_step_holds(llava: str) -> Non
     pruned = _llm(llava, mm_token_pruning="pool", mm_token_keep_ratio=0.25).engine.input_processor
     assert len(full) == 100 // 16 and len(pruned.profile_items(budget_tokens=100)) == 100 // 4
     assert all(item.pruning is None and item.num_tokens == 16 for item in full)
+    # dedup may keep as few as one token a 4 x 4 tile: the tiny LLaVA's 4 x 4 grid is one tile.
+    dedup = _llm(llava, mm_token_pruning="dedup", mm_token_keep_ratio=0.5).engine.input_processor
+    assert len(dedup.profile_items(budget_tokens=100)) == 100
 
 
 def test_image_tokens_that_form_no_grid_are_not_pruned(llava: str) -> None:
@@ -278,6 +316,7 @@ def test_chunked_prefill_through_pruned_images_equals_unchunked(qwen: str) -> No
          "mm_processor_kwargs": {"mm_token_pruning": "divprune", "mm_token_keep_ratio": 0.3}},
         _prompt(_image(4), mm_token_pruning="pool", mm_token_keep_ratio=0.5),
         _prompt(_image(6), " short."),
+        _prompt(_screenshot(7), " and this one?", mm_token_pruning="dedup", mm_token_dedup_threshold=0),
     ]
     whole, whole_logits = _run(_llm(qwen, max_num_batched_tokens=512), prompts)
     chunked_llm = _llm(qwen, max_num_batched_tokens=5)
@@ -285,12 +324,13 @@ def test_chunked_prefill_through_pruned_images_equals_unchunked(qwen: str) -> No
     assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
     for a, b in zip(chunked_logits, whole_logits):
         assert (a - b).abs().max().item() <= 1e-4
-    assert [o.num_image_tokens_kept for o in whole] == [2 * 17, 28, 56]
+    assert [o.num_image_tokens_kept for o in whole] == [2 * 17, 28, 56, 10]
 
 
 def test_preemption_and_recompute_keep_pruned_outputs(qwen: str) -> None:
-    prompts = [_prompt(_image(10 + i), f" Question {i}?", mm_token_pruning=("pool", "divprune")[i % 2],
-                       mm_token_keep_ratio=0.25) for i in range(6)]
+    prompts = [_prompt((_image, _image, _screenshot)[i % 3](10 + i), f" Question {i}?",
+                       mm_token_pruning=("pool", "divprune", "dedup")[i % 3], mm_token_keep_ratio=0.25)
+               for i in range(6)]
     roomy, roomy_logits = _run(_llm(qwen), prompts, _greedy(24))
     # 12 blocks of 8 tokens: one request fits (about 40 prompt tokens + 24), three growing together do not. No
     # encoder cache: a preempted request's image is encoded again, its tokens chosen again and placed again.
@@ -305,14 +345,31 @@ def test_preemption_and_recompute_keep_pruned_outputs(qwen: str) -> None:
     assert bm.num_free_blocks == bm.num_usable_blocks
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_on_a_gpu_pruned_prompts_run_the_same_with_graphs_and_eager(qwen: str) -> None:
+    prompts = [_prompt(_screenshot(50), mm_token_pruning="dedup"), _prompt(_image(51), mm_token_pruning="pool"),
+               _prompt(_image(52), mm_token_pruning="divprune", mm_token_keep_ratio=0.5), _prompt(_image(53))]
+    common = dict(device="cuda", dtype="bfloat16", kv_cache_tokens=4096, block_size=16, max_num_batched_tokens=256,
+                  prefill_graph_max_tokens=256)
+    answers = {}
+    for name, kw in {"graphs": {}, "eager": dict(enforce_eager=True)}.items():
+        llm = LLM(qwen, **common, **kw)
+        answers[name] = [o.token_ids for o in llm.generate(prompts, _greedy(16))]
+        if name == "graphs":
+            assert llm.engine.runner.graphs is not None
+    assert answers["graphs"] == answers["eager"]
+
+
 @pytest.mark.parametrize(("kwargs", "needle"), [
     ({"mm_token_keep_ratio": 0}, "(0, 1]"),
     ({"mm_token_keep_ratio": 1.5}, "(0, 1]"),
     ({"mm_token_keep_ratio": "abc"}, "must be a number"),
     ({"mm_token_keep_ratio": True}, "must be a number"),
     ({"mm_token_pruning": "fastv"}, "unknown visual-token pruning strategy"),
-    ({"mm_token_pruning": "dedup"}, "not run by the engine yet"),
     ({"mm_token_pruning": ["pool"]}, "unknown visual-token pruning strategy"),
+    ({"mm_token_pruning": "dedup", "mm_token_dedup_threshold": 300}, "mm_token_dedup_threshold must be in [0, 255]"),
+    ({"mm_token_pruning": "dedup", "mm_token_dedup_threshold": "abc"}, "mm_token_dedup_threshold must be a number"),
+    ({"mm_token_pruning": "dedup", "mm_token_keep_ratio": 0}, "(0, 1]"),
 ])
 def test_bad_pruning_settings_are_clear_errors_and_the_engine_serves_on(served: LLM, kwargs: dict,
                                                                        needle: str) -> None:
@@ -328,8 +385,8 @@ def test_bad_pruning_settings_are_clear_errors_and_the_engine_serves_on(served: 
 
 
 @pytest.mark.parametrize(("option", "value", "needle"), [
-    ("mm_token_pruning", "dedup", "not run by the engine yet"),
     ("mm_token_pruning", "fastv", "unknown visual-token pruning strategy"),
+    ("mm_token_dedup_threshold", -1, "mm_token_dedup_threshold must be in [0, 255]"),
     ("mm_token_keep_ratio", 0.0, "mm_token_keep_ratio must be in (0, 1]"),
     ("mm_token_keep_ratio", "abc", "mm_token_keep_ratio must be a number"),
 ])

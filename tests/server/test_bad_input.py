@@ -144,8 +144,12 @@ CASES: list[tuple[str, str, Any, int, str]] = [
      400, "mm_token_keep_ratio must be a number"),
     ("pruning-unknown-strategy", CHAT, _chat(mm_processor_kwargs={"mm_token_pruning": "fastv"}), 400,
      "unknown visual-token pruning strategy"),
-    ("pruning-dedup-not-run", CHAT, {**_img_chat(_OK_IMAGE), "mm_processor_kwargs": {"mm_token_pruning": "dedup"}},
-     400, "not run by the engine yet"),
+    ("pruning-dedup-threshold-out-of-range", CHAT,
+     {**_img_chat(_OK_IMAGE), "mm_processor_kwargs": {"mm_token_pruning": "dedup", "mm_token_dedup_threshold": 256}},
+     400, "mm_token_dedup_threshold must be in [0, 255]"),
+    ("pruning-dedup-threshold-string", CHAT,
+     _chat(mm_processor_kwargs={"mm_token_pruning": "dedup", "mm_token_dedup_threshold": "high"}), 400,
+     "mm_token_dedup_threshold must be a number"),
 ]
 
 
@@ -291,3 +295,12 @@ def test_pruned_request_is_served_after_bad_pruning_settings(live: LiveServer) -
     assert live.engine.engine.stats()["image_tokens_kept"] - before == 2
     details = r.json()["usage"]["prompt_tokens_details"]
     assert (details["image_tokens"], details["image_tokens_kept"]) == (4, 2)
+    # dedup on a flat picture: its 2 x 2 tokens are one tile of equal blocks, one token is kept.
+    buf = io.BytesIO()
+    Image.new("RGB", (56, 56), (200, 210, 220)).save(buf, format="PNG")
+    flat = {**_img_chat(data_uri(buf.getvalue())),
+            "mm_processor_kwargs": {"mm_token_pruning": "dedup", "mm_token_keep_ratio": 1.0}}
+    r = _post(live, CHAT, flat)
+    assert r.status_code == 200
+    details = r.json()["usage"]["prompt_tokens_details"]
+    assert (details["image_tokens"], details["image_tokens_kept"]) == (4, 1)

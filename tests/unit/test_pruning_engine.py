@@ -7,6 +7,7 @@ import argparse
 
 import numpy as np
 import pytest
+import torch
 
 from flashvlm.cache.prefix_cache import extend_block_hashes, hash_block, kv_image_key
 from flashvlm.config import ConfigError, EngineConfig
@@ -14,7 +15,14 @@ from flashvlm.models.interfaces import VLModel
 from flashvlm.models.qwen2_vl import mrope_positions
 from flashvlm.options import add_engine_args
 from flashvlm.pruning.base import InvalidKeepRatioError, PruningSettingError, TokenGrid
-from flashvlm.pruning.setting import PruningNotRunError, TokenPruning, pruning_for, resolve_setting
+from flashvlm.pruning.setting import (
+    DEFAULT_DEDUP_THRESHOLD,
+    InvalidDedupThresholdError,
+    PruningChoice,
+    TokenPruning,
+    pruning_for,
+    resolve_setting,
+)
 from flashvlm.request import MMItem, Request, SamplingParams
 
 
@@ -25,11 +33,15 @@ def _config(**options) -> EngineConfig:
 def test_options_default_to_off_and_validate() -> None:
     config = _config().validate()
     assert config.model.mm_token_pruning == "none" and config.model.mm_token_keep_ratio == 0.25
+    assert config.model.mm_token_dedup_threshold == DEFAULT_DEDUP_THRESHOLD == 8.0
+    assert _config(mm_token_pruning="dedup", mm_token_dedup_threshold=0).validate().model.mm_token_pruning == "dedup"
     assert _config(mm_token_pruning="divprune", mm_token_keep_ratio=1).validate().model.mm_token_keep_ratio == 1
 
 
 @pytest.mark.parametrize(("options", "needle"), [
-    ({"mm_token_pruning": "dedup"}, "not run by the engine yet"),
+    ({"mm_token_dedup_threshold": -1}, "mm_token_dedup_threshold must be in [0, 255]"),
+    ({"mm_token_dedup_threshold": 256}, "mm_token_dedup_threshold must be in [0, 255]"),
+    ({"mm_token_dedup_threshold": "8"}, "mm_token_dedup_threshold must be a number"),
     ({"mm_token_pruning": "fastv"}, "unknown visual-token pruning strategy 'fastv'"),
     ({"mm_token_keep_ratio": 0}, "mm_token_keep_ratio must be in (0, 1]"),
     ({"mm_token_keep_ratio": 1.5}, "mm_token_keep_ratio must be in (0, 1]"),
@@ -45,34 +57,62 @@ def test_bad_options_are_config_errors(options: dict, needle: str) -> None:
 def test_flags() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    args = parser.parse_args(["--mm-token-pruning", "pool", "--mm-token-keep-ratio", "0.5"])
-    assert (args.mm_token_pruning, args.mm_token_keep_ratio) == ("pool", 0.5)
-    for bad in (["--mm-token-pruning", "fastv"], ["--mm-token-keep-ratio", "abc"]):
+    args = parser.parse_args(["--mm-token-pruning", "dedup", "--mm-token-keep-ratio", "0.5",
+                              "--mm-token-dedup-threshold", "4"])
+    assert (args.mm_token_pruning, args.mm_token_keep_ratio, args.mm_token_dedup_threshold) == ("dedup", 0.5, 4)
+    for bad in (["--mm-token-pruning", "fastv"], ["--mm-token-keep-ratio", "abc"],
+                ["--mm-token-dedup-threshold", "abc"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
 
 
 def test_request_setting_overrides_the_engine_default() -> None:
-    assert resolve_setting(("pool", 0.5), {}) == ("pool", 0.5)
-    assert resolve_setting(("pool", 0.5), {"mm_token_keep_ratio": 0.25}) == ("pool", 0.25)
-    assert resolve_setting(("none", 0.25), {"mm_token_pruning": "divprune"}) == ("divprune", 0.25)
-    with pytest.raises(PruningNotRunError, match="dedup"):
-        resolve_setting(("none", 0.25), {"mm_token_pruning": "dedup"})
+    pool = PruningChoice("pool", 0.5)
+    assert resolve_setting(pool, {}) == pool
+    assert resolve_setting(pool, {"mm_token_keep_ratio": 0.25}) == PruningChoice("pool", 0.25)
+    assert resolve_setting(PruningChoice("none", 0.25), {"mm_token_pruning": "divprune"}) == \
+        PruningChoice("divprune", 0.25)
+    assert resolve_setting(PruningChoice("none", 0.25), {"mm_token_pruning": "dedup", "mm_token_dedup_threshold": 3}) \
+        == PruningChoice("dedup", 0.25, 3.0)
     with pytest.raises(InvalidKeepRatioError):
-        resolve_setting(("pool", 0.5), {"mm_token_keep_ratio": None})
+        resolve_setting(pool, {"mm_token_keep_ratio": None})
     with pytest.raises(PruningSettingError, match="unknown"):
-        resolve_setting(("pool", 0.5), {"mm_token_pruning": {"name": "pool"}})
+        resolve_setting(pool, {"mm_token_pruning": {"name": "pool"}})
+    for bad in (None, True, float("nan"), -0.5, 255.5, "4"):
+        with pytest.raises(InvalidDedupThresholdError, match="mm_token_dedup_threshold"):
+            resolve_setting(pool, {"mm_token_dedup_threshold": bad})  # checked whatever the strategy
 
 
 def test_an_item_is_pruned_only_when_it_keeps_fewer_tokens() -> None:
     grid = TokenGrid(1, 4, 5)
-    assert pruning_for("none", 0.1, grid, 20) is None
-    assert pruning_for("pool", 1.0, grid, 20) is None
-    assert pruning_for("pool", 0.96, grid, 20) is None  # ceil(19.2) = 20: all of them
-    setting = pruning_for("divprune", 0.5, grid, 20)
+    assert pruning_for(PruningChoice("none", 0.1), grid, 20) is None
+    assert pruning_for(PruningChoice("pool", 1.0), grid, 20) is None
+    assert pruning_for(PruningChoice("pool", 0.96), grid, 20) is None  # ceil(19.2) = 20: all of them
+    setting = pruning_for(PruningChoice("divprune", 0.5), grid, 20)
     assert setting == TokenPruning("divprune", 0.5, grid) and setting.num_kept == 10
     with pytest.raises(PruningSettingError, match="no grid"):
-        pruning_for("pool", 0.5, None, 20)
+        pruning_for(PruningChoice("pool", 0.5), None, 20)
+
+
+def test_dedup_decides_from_pixels_when_the_item_is_made() -> None:
+    grid = TokenGrid(1, 4, 5)
+    flat = torch.full((20, 12), 200, dtype=torch.uint8)  # 20 tokens of 2 x 2 px, 3 channels, all equal
+    choice = PruningChoice("dedup", 1.0)
+    setting = pruning_for(choice, grid, 20, lambda: flat)
+    assert setting is not None and setting.num_kept == 2  # one token per 4 x 4 tile
+    assert setting.kept.tolist() == [0, 4] and not setting.kept.flags.writeable
+    assert torch.equal(setting.select(torch.zeros(20, 3)), torch.tensor([0, 4]))
+    noisy = torch.randint(0, 256, (20, 12), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    assert pruning_for(choice, grid, 20, lambda: noisy) is None  # nothing merged: exactly the unpruned item
+    capped = pruning_for(PruningChoice("dedup", 0.5), grid, 20, lambda: noisy)
+    assert capped.num_kept == 10 and len(capped.kept) == 10
+    with pytest.raises(PruningSettingError, match="no per-token pixels"):
+        pruning_for(choice, grid, 20)
+    # The key names the threshold (and the cap): two thresholds never share KV.
+    keys = {pruning_for(PruningChoice("dedup", r, t), grid, 20, lambda: flat).key
+            for r, t in ((1.0, 8.0), (1.0, 0.0), (0.5, 8.0))}
+    assert len(keys) == 3 and all("dedup" in k for k in keys)
+    assert TokenPruning("pool", 0.5, grid).key == "pool:0.5"
 
 
 def _item(mm_hash: str, offset: int, full: int, pruning: TokenPruning | None = None) -> MMItem:
