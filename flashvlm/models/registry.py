@@ -26,6 +26,7 @@ _FAMILIES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "flashvlm.models.families.qwen2_vl:QWEN2_VL",
     "Qwen2_5_VLForConditionalGeneration": "flashvlm.models.families.qwen2_vl:QWEN2_5_VL",
     "LlavaForConditionalGeneration": "flashvlm.models.families.llava:LLAVA",
+    "Qwen3VLForConditionalGeneration": "flashvlm.models.families.qwen3_vl:QWEN3_VL",
 }
 
 

@@ -102,7 +102,7 @@ class MemoryPlanner:
     def embedding_cache_bytes(self) -> int:
         """Cached image embeddings (the runner's encoder_outputs) live beside the KV cache, up to the encoder
         cache's budget in tokens (56 MiB on the 7B config by default)."""
-        hidden = self.model.language_model.embed_tokens.embedding_dim
+        hidden = self.model.embedding_width
         return self.config.cache.encoder_cache_tokens * hidden * self._element_size()
 
     def determine_num_blocks(self, vision_items: Callable[[], list[MMItem]] | None = None) -> int:

@@ -25,7 +25,10 @@ class KeptTokens:
     """Kept indices by (mm_hash, setting key), on the device for the splice and on the host for the positions,
     and which indices each request's stored positions were built from."""
 
-    def __init__(self) -> None:
+    def __init__(self, feature_width: int | None = None) -> None:
+        self.feature_width = feature_width
+        """The leading columns of an embedding row a strategy compares (the language model's hidden size): rows
+        may carry more (Qwen3-VL's DeepStack features), which the kept indices select along with them."""
         self._kept: dict[str, dict[str, tuple[torch.Tensor, np.ndarray]]] = {}
         self._positioned: dict[str, dict[int, np.ndarray]] = {}
         """request id -> item index -> the host indices its stored positions hold."""
@@ -39,7 +42,7 @@ class KeptTokens:
         by_setting = self._kept.setdefault(item.mm_hash, {})
         found = by_setting.get(item.pruning.key)
         if found is None:
-            chosen = item.pruning.select(embeddings)
+            chosen = item.pruning.select(embeddings[:, :self.feature_width])
             if chosen.shape[0] != item.num_tokens:
                 raise RuntimeError(f"{item.pruning.strategy} kept {chosen.shape[0]} tokens of image {item.mm_hash}; "
                                    f"its prompt holds {item.num_tokens} placeholders")
