@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from flashvlm import LLM, SamplingParams
-from flashvlm.testing.tiny_checkpoints import build_llava, build_qwen2_vl
+from flashvlm.testing.tiny_checkpoints import build_llava, build_qwen2_vl, build_qwen3_vl
 
 # "demo" is the shipped demo checkpoint (flashvlm/demo/checkpoint): trained weights, a Qwen2-VL architecture.
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "demo"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "demo"]
 PLACEHOLDER = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>\n",
+               "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                "demo": "<|vision_start|><|image_pad|><|vision_end|>"}
 MAX_TOKENS = 10
 
@@ -30,11 +31,13 @@ class Family:
             LlavaForConditionalGeneration,
             Qwen2_5_VLForConditionalGeneration,
             Qwen2VLForConditionalGeneration,
+            Qwen3VLForConditionalGeneration,
         )
 
         self.name, self.path = name, str(path)
         cls = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
-               "llava": LlavaForConditionalGeneration, "demo": Qwen2VLForConditionalGeneration}[name]
+               "qwen3_vl": Qwen3VLForConditionalGeneration, "llava": LlavaForConditionalGeneration,
+               "demo": Qwen2VLForConditionalGeneration}[name]
         self.hf = cls.from_pretrained(self.path, dtype=torch.float32).eval()
         self.config = AutoConfig.from_pretrained(self.path)
 
@@ -87,6 +90,8 @@ def family(request, tmp_path_factory) -> Family:
     path = tmp_path_factory.mktemp(request.param)
     if request.param == "llava":
         build_llava(path, seed=3)
+    elif request.param == "qwen3_vl":
+        build_qwen3_vl(path, seed=3)
     else:
         build_qwen2_vl(path, qwen25=request.param == "qwen2_5_vl", seed=3)
     return Family(request.param, path)
