@@ -8,19 +8,15 @@ from pathlib import Path
 
 import torch
 
-from flashvlm.testing.checkpoint_writer import build_tokenizer, randomize, save_checkpoint
-from flashvlm.testing.tiny_qwen import QWEN_SPECIAL_TOKENS
+from flashvlm.testing.checkpoint_writer import build_tokenizer, save_checkpoint
+from flashvlm.testing.tiny_qwen import QWEN_CHAT_TEMPLATE, QWEN_SPECIAL_TOKENS, qwen_model
 
-# Qwen3-VL's template writes no default system turn.
-QWEN3_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
-    "<|im_end|>\n{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or content['type'] == 'image_url' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'text' %}{{ content['text'] }}"
-    "{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# Qwen3-VL's template writes no default system turn; otherwise it is Qwen2-VL's.
+_DEFAULT_SYSTEM = ("{% if loop.first and message['role'] != 'system' %}"
+                   "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}")
+QWEN3_CHAT_TEMPLATE = QWEN_CHAT_TEMPLATE.replace(_DEFAULT_SYSTEM, "")
+if QWEN3_CHAT_TEMPLATE == QWEN_CHAT_TEMPLATE:
+    raise RuntimeError("Qwen2-VL's chat template no longer writes the default system turn this removes")
 
 
 def qwen3_preprocessor_config(min_pixels: int, max_pixels: int) -> dict:
@@ -41,7 +37,7 @@ def build_qwen3_vl(path: str | Path, *, seed: int = 0, hidden: int = 64, layers:
                    dtype: torch.dtype = torch.float32) -> Path:
     """A tiny Qwen3-VL checkpoint with seeded random weights: 4 query heads of 32 (wider than hidden / heads, as
     Qwen3's head_dim may be) over 2 KV heads; the tower has 2 heads of vision_width / 2."""
-    from transformers import GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     tokenizer = build_tokenizer(QWEN_SPECIAL_TOKENS, 480, QWEN3_CHAT_TEMPLATE, eos="<|im_end|>", bos=None,
                                 pad="<|endoftext|>")
@@ -57,13 +53,7 @@ def build_qwen3_vl(path: str | Path, *, seed: int = 0, hidden: int = 64, layers:
                   out_hidden_size=hidden, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
                   num_position_embeddings=num_position_embeddings, deepstack_visual_indexes=list(deepstack),
                   hidden_act="gelu_pytorch_tanh")
-    cfg = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=tie_word_embeddings)
-    torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(cfg).to(dtype).eval()
-    randomize(model, seed)
-    model.generation_config = GenerationConfig(eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
-                                               pad_token_id=ids["<|endoftext|>"])
+    model = qwen_model(Qwen3VLConfig, Qwen3VLForConditionalGeneration, text, vision, ids, tie_word_embeddings,
+                       seed, dtype)
     return save_checkpoint(model, tokenizer, Path(path), qwen3_preprocessor_config(min_pixels, max_pixels),
                            shard_size)
