@@ -169,8 +169,7 @@ class EngineConfig:
         "auto", choices=("auto", "sdpa", "fa4"),
         help="the Qwen-VL vision towers' attention: auto = fa4 where it runs (not with "
              "attention_backend reference), else sdpa; sdpa = torch's fused kernels (cuDNN pads the ViT's head dim "
-             "80 to 128); fa4 = FlashAttention-4, head dim 80 as it is (Qwen3-VL's 72: sdpa where FA4 does not take "
-             "it). LLaVA's CLIP tower always uses SDPA")
+             "80 to 128); fa4 = FlashAttention-4, head dim 80 as it is. LLaVA's CLIP tower always uses SDPA")
     kernel_backend: str = option("triton", choices=("triton", "torch"),
                                  help="fused RMSNorm+residual, rotary and SiLU-and-mul ops: triton (on CUDA "
                                       "tensors) or torch (the reference ops)")
