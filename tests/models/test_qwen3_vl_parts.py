@@ -81,3 +81,25 @@ def test_prompt_without_deepstack_columns_is_text_only(pair) -> None:
 def test_moe_variant_is_refused() -> None:
     with pytest.raises(UnsupportedModelError, match="Qwen3VLForConditionalGeneration"):
         resolve_family(["Qwen3VLMoeForConditionalGeneration"])
+
+
+@torch.no_grad()
+def test_tied_checkpoint_matches_transformers(tmp_path) -> None:
+    """Qwen3-VL-2B and -4B tie the embeddings: the head reads the embedding matrix, DeepStack as in the 8B."""
+    path = build_qwen3_vl(tmp_path, seed=9, tie_word_embeddings=True)
+    hf = transformers.Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    ours = Qwen3VLForConditionalGeneration(hf.config)
+    check_all_loaded(ours, ours.load_weights(iterate_checkpoint(path)))
+    assert ours.lm_head is None
+    items = _items(seed=3)[:1]
+    ids = [20, 21, hf.config.vision_start_token_id] + [hf.config.image_token_id] * items[0].num_tokens + [30, 31]
+    items[0].offset = 3
+    embeds = ours.embed_tokens(torch.tensor(ids))
+    embeds[3:3 + items[0].num_tokens] = ours.encode_images(items)[0]
+    positions, _ = ours.prompt_positions(ids, items)
+    ctx = single_sequence_prefill_context(len(ids), ours.kv_cache_spec(), torch.float32)
+    logits = ours.compute_logits(ours(embeds, positions, ctx))
+    input_ids = torch.tensor([ids])
+    ref = hf(input_ids=input_ids, pixel_values=items[0].pixel_values, image_grid_thw=torch.tensor([GRIDS[0]]),
+             mm_token_type_ids=(input_ids == hf.config.image_token_id).int()).logits[0]
+    assert (logits - ref).abs().max().item() <= 1e-4
