@@ -15,9 +15,8 @@ import torch
 
 from flashvlm.layers.attention import ForwardContext
 from flashvlm.layers.rotary import MRotaryEmbedding
-from flashvlm.models.decoder import DecoderModel, _head_dim
-from flashvlm.models.interfaces import VLModel
-from flashvlm.models.qwen2_vl import Qwen2VLForConditionalGeneration, _token_id
+from flashvlm.models.decoder import DecoderModel
+from flashvlm.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from flashvlm.models.vision.qwen3_vit import Qwen3VisionTower
 
 
@@ -29,7 +28,7 @@ class DeepStackDecoder(DecoderModel):
         rope = dict(getattr(cfg, "rope_parameters", None) or {})
         rope.setdefault("rope_theta", getattr(cfg, "rope_theta", 5e6))
         # transformers' Qwen3-VL interleaves the M-RoPE axes whatever the config's mrope_interleaved says.
-        self.rotary = MRotaryEmbedding(_head_dim(cfg), {**rope, "mrope_interleaved": True})
+        self.rotary = MRotaryEmbedding(self.kv_cache_spec().head_dim, {**rope, "mrope_interleaved": True})
         if num_deepstack > cfg.num_hidden_layers:
             raise ValueError(f"{num_deepstack} DeepStack features for a {cfg.num_hidden_layers}-layer decoder")
         self.num_deepstack = num_deepstack
@@ -62,18 +61,8 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     vision_tower_cls = Qwen3VisionTower
     vision_graphable = True
 
-    def __init__(self, hf_config) -> None:
-        VLModel.__init__(self)
-        text_cfg, vision_cfg = hf_config.text_config, hf_config.vision_config
-        self.config = hf_config
-        self.image_token_id = _token_id(hf_config, "image_token_id")
-        self.vision_start_token_id = _token_id(hf_config, "vision_start_token_id")
-        self.spatial_merge_size = int(vision_cfg.spatial_merge_size)
-        self.visual = Qwen3VisionTower(vision_cfg)
-        if self.visual.out_features != text_cfg.hidden_size:
-            raise ValueError(f"vision tower yields {self.visual.out_features}-wide tokens, "
-                             f"the language model is {text_cfg.hidden_size} wide")
-        self.init_language_model(hf_config, DeepStackDecoder(text_cfg, self.visual.num_deepstack))
+    def build_decoder(self, text_cfg) -> DeepStackDecoder:
+        return DeepStackDecoder(text_cfg, self.visual.num_deepstack)
 
     @property
     def embedding_width(self) -> int:
