@@ -205,5 +205,9 @@ class MemoryPlanner:
         if tokens:  # the step graphs' pool holds one forward of their largest bucket
             step = (GRAPH_POOL_BASE_BYTES + tokens * STEP_BYTES_PER_TOKEN
                     + LOGITS_COPIES * n * self.model.vocab_size * 4)
+            # Input rows wider than the hidden state (Qwen3-VL's DeepStack columns): the graphs' input buffer and
+            # the decoder's split of it grow with them, beyond what STEP_BYTES_PER_TOKEN allows.
+            extra = self.model.embedding_width - self.model.language_model.embed_tokens.embedding_dim
+            step += 2 * tokens * extra * self._element_size()
         vision = VISION_GRAPH_POOL_BYTES if self.config.vision_graphs > 0 and self.model.vision_graphable else 0
         return GraphReserves(self.decode_graph_reserve(), step, vision)

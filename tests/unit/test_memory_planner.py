@@ -42,6 +42,14 @@ def _reserve_before_the_split(n: int, layers: int, vocab: int, step_tokens: int,
     return decode + step + (2**30 if vision else 0)
 
 
+def test_wider_input_rows_grow_the_step_reserve() -> None:
+    """Qwen3-VL-8B's rows carry 3 DeepStack features: the step graphs' buffer and the decoder's split of it."""
+    planner = _planner(prefill_graph_max_tokens=2048)
+    before = planner.graph_reserves().step
+    planner.model.embedding_width = 4 * 3584
+    assert planner.graph_reserves().step - before == 2 * 2048 * 3 * 3584 * 2
+
+
 def test_the_decode_reserve_covers_the_7b_measurement() -> None:
     reserve = _planner().decode_graph_reserve()
     assert reserve == 256 * MiB + 3 * 256 * 152064 * 4 + 256 * 28 * 128 * 1024
