@@ -84,8 +84,9 @@ def _device(name: str, value: Any) -> str | None:
 
 @dataclass
 class ModelConfig:
-    model: str = option(help="path to a local Hugging Face checkpoint folder (Qwen2-VL, Qwen2.5-VL, LLaVA-1.5, "
-                             "LLaVA-NeXT in llava-hf form), or a demo model's name: demo, demo-large (docs/demo.md)",
+    model: str = option(help="path to a local Hugging Face checkpoint folder (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, "
+                             "LLaVA-1.5, LLaVA-NeXT in llava-hf form), or a demo model's name: demo, demo-large "
+                             "(docs/demo.md)",
                         shown_default="the embedded demo model (docs/demo.md)")
     dtype: str = option("auto", choices=("auto", "float32", "float16", "bfloat16"),
                         help="weights and activations dtype; auto = the checkpoint's dtype on GPU, float32 on CPU "
@@ -181,7 +182,7 @@ class EngineConfig:
              "(pip install 'flashvlm[fa4]', Hopper GPUs, bf16/fp16 models), decode through our Triton kernel")
     vision_attention: str = option(
         "auto", choices=("auto", "sdpa", "fa4"),
-        help="the Qwen2-VL/Qwen2.5-VL vision towers' attention: auto = fa4 where it runs (not with "
+        help="the Qwen-VL vision towers' attention: auto = fa4 where it runs (not with "
              "attention_backend reference), else sdpa; sdpa = torch's fused kernels (cuDNN pads the ViT's head dim "
              "80 to 128); fa4 = FlashAttention-4, head dim 80 as it is. LLaVA's CLIP tower always uses SDPA")
     kernel_backend: str = option("triton", choices=("triton", "torch"),

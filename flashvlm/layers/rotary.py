@@ -1,4 +1,5 @@
-"""Rotary position embeddings: 1-D RoPE (Llama) and multimodal M-RoPE (Qwen2-VL), half-rotation layout."""
+"""Rotary position embeddings: 1-D RoPE (Llama) and multimodal M-RoPE (Qwen2-VL sectioned, Qwen3-VL interleaved),
+half-rotation layout."""
 
 from __future__ import annotations
 
@@ -90,3 +91,22 @@ class MRotaryEmbedding(RotaryEmbedding):
         self.mrope_section = list(rope_parameters["mrope_section"])
         if sum(self.mrope_section) != head_dim // 2:
             raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 = {head_dim // 2}")
+        self.interleaved = bool(rope_parameters.get("mrope_interleaved", False))
+        """Qwen3-VL's layout: band j takes height where j % 3 == 1, width where j % 3 == 2, each within its
+        section's share (3 * section), and time otherwise, so every axis spans low and high frequencies."""
+        if self.interleaved:
+            half = head_dim // 2
+            axis = torch.zeros(half, dtype=torch.long)
+            for dim in (1, 2):
+                axis[dim:3 * self.mrope_section[dim]:3] = dim
+            self.register_buffer("band_axis", axis, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.interleaved:
+            return super().forward(positions, dtype)
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0).expand(3, -1)
+        freqs = positions.float()[:, :, None] * self.inv_freq[None, None, :]  # (3, tokens, half)
+        freqs = freqs.gather(0, self.band_axis.view(1, 1, -1).expand(1, freqs.shape[1], -1))[0]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)

@@ -1,4 +1,5 @@
-"""The Llama-style decoder shared by Qwen2 (QKV bias, M-RoPE) and Llama (no bias, 1-D RoPE)."""
+"""The Llama-style decoder shared by Qwen2 (QKV bias, M-RoPE), Qwen3 (QK-norm, interleaved M-RoPE) and Llama (no
+bias, 1-D RoPE)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _head_dim(cfg) -> int:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg, layer_idx: int, qkv_bias: bool) -> None:
+    def __init__(self, cfg, layer_idx: int, qkv_bias: bool, qk_norm: bool = False) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = _head_dim(cfg)
@@ -32,12 +33,20 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False) and qkv_bias)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
+        # Qwen3: an RMSNorm over each query and key head, before the rotary.
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.use_triton_kernels = True
         """Fused rotary kernel on CUDA tensors; the engine sets it from EngineConfig.kernel_backend."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            q, k, v = self.qkv_proj.split_output(qkv)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(n, -1)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(n, -1)
+            qkv = torch.cat((q, k, v), dim=-1)
         # One launch rotates queries and keys in place (within an ulp of the torch path); q and k stay strided
         # views of the packed output, which the attention kernels read directly.
         fused = apply_rotary_qk_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim,
@@ -50,10 +59,10 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx: int, qkv_bias: bool) -> None:
+    def __init__(self, cfg, layer_idx: int, qkv_bias: bool, qk_norm: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DecoderAttention(cfg, layer_idx, qkv_bias)
+        self.self_attn = DecoderAttention(cfg, layer_idx, qkv_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act,
                             bias=getattr(cfg, "mlp_bias", False))
@@ -72,11 +81,11 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and final norm; `forward` takes embeddings so images can be spliced in."""
 
-    def __init__(self, cfg, qkv_bias: bool, mrope: bool) -> None:
+    def __init__(self, cfg, qkv_bias: bool, mrope: bool, qk_norm: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, qkv_bias) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, qkv_bias, qk_norm) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         rope = dict(getattr(cfg, "rope_parameters", None) or {})
         rope.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))

@@ -57,6 +57,12 @@ class VLModel(nn.Module):
     def kv_cache_spec(self) -> KVCacheSpec:
         return self.language_model.kv_cache_spec()
 
+    @property
+    def embedding_width(self) -> int:
+        """Columns of a row of `embed_tokens`, `encode_images` and `forward`'s input: the hidden size, or more
+        where a family's image rows carry extra features for the decoder (Qwen3-VL's DeepStack)."""
+        return self.language_model.embed_tokens.embedding_dim
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_tokens(input_ids)
 
@@ -65,7 +71,7 @@ class VLModel(nn.Module):
         return self.language_model.embed_tokens.num_embeddings
 
     def encode_images(self, items: list[MMItem]) -> list[torch.Tensor]:
-        """Returns one (item.num_tokens, hidden) tensor per item, in the language model's dtype."""
+        """Returns one (item.num_tokens, embedding_width) tensor per item, in the language model's dtype."""
         raise NotImplementedError
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -100,7 +100,11 @@ class Qwen2VLForConditionalGeneration(VLModel):
         if self.visual.out_features != text_cfg.hidden_size:
             raise ValueError(f"vision tower yields {self.visual.out_features}-wide tokens, "
                              f"the language model is {text_cfg.hidden_size} wide")
-        self.init_language_model(hf_config, DecoderModel(text_cfg, qkv_bias=True, mrope=True))
+        self.init_language_model(hf_config, self.build_decoder(text_cfg))
+
+    def build_decoder(self, text_cfg) -> DecoderModel:
+        """The text decoder (built after the tower, which a subclass's decoder may read)."""
+        return DecoderModel(text_cfg, qkv_bias=True, mrope=True)
 
     def _grid(self, item: MMItem) -> Grid:
         if item.layout is None:

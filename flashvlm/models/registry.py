@@ -27,6 +27,7 @@ _FAMILIES: dict[str, str] = {
     "Qwen2_5_VLForConditionalGeneration": "flashvlm.models.families.qwen2_vl:QWEN2_5_VL",
     "LlavaForConditionalGeneration": "flashvlm.models.families.llava:LLAVA",
     "LlavaNextForConditionalGeneration": "flashvlm.models.families.llava_next:LLAVA_NEXT",
+    "Qwen3VLForConditionalGeneration": "flashvlm.models.families.qwen3_vl:QWEN3_VL",
 }
 
 

@@ -100,7 +100,7 @@ class StepExecutor:
             self.step_graphs.capture()
 
     def build_step_graphs(self, max_tokens: int, max_num_seqs: int, max_model_len: int) -> StepGraphs:
-        hidden = self.model.language_model.embed_tokens.embedding_dim
+        hidden = self.model.embedding_width
         return StepGraphs(self.model, self.backend, self.kv_caches, max_tokens, max_num_seqs, max_model_len,
                           self.block_size, hidden, self.dtype, self.device)
 

@@ -102,7 +102,7 @@ class MemoryPlanner:
     def embedding_cache_bytes(self) -> int:
         """Cached image embeddings (the runner's encoder_outputs) live beside the KV cache, up to the encoder
         cache's budget in tokens (56 MiB on the 7B config by default)."""
-        hidden = self.model.language_model.embed_tokens.embedding_dim
+        hidden = self.model.embedding_width
         return self.config.cache.encoder_cache_tokens * hidden * self._element_size()
 
     def determine_num_blocks(self, vision_items: Callable[[], list[MMItem]] | None = None) -> int:
@@ -205,5 +205,9 @@ class MemoryPlanner:
         if tokens:  # the step graphs' pool holds one forward of their largest bucket
             step = (GRAPH_POOL_BASE_BYTES + tokens * STEP_BYTES_PER_TOKEN
                     + LOGITS_COPIES * n * self.model.vocab_size * 4)
+            # Input rows wider than the hidden state (Qwen3-VL's DeepStack columns): the graphs' input buffer and
+            # the decoder's split of it grow with them, beyond what STEP_BYTES_PER_TOKEN allows.
+            extra = self.model.embedding_width - self.model.language_model.embed_tokens.embedding_dim
+            step += 2 * tokens * extra * self._element_size()
         vision = VISION_GRAPH_POOL_BYTES if self.config.vision_graphs > 0 and self.model.vision_graphable else 0
         return GraphReserves(self.decode_graph_reserve(), step, vision)

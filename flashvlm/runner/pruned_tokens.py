@@ -34,7 +34,10 @@ class KeptTokens:
     """Kept indices by (mm_hash, setting key), on the device for the splice and on the host for the positions,
     and which indices each request's stored positions were built from."""
 
-    def __init__(self) -> None:
+    def __init__(self, feature_width: int | None = None) -> None:
+        self.feature_width = feature_width
+        """The leading columns of an embedding row a strategy compares (the language model's hidden size): rows
+        may carry more (Qwen3-VL's DeepStack features), which the kept indices select along with them."""
         self._kept: dict[str, dict[str, tuple[torch.Tensor, np.ndarray]]] = {}
         self._positioned: dict[str, dict[int, np.ndarray]] = {}
         """request id -> item index -> the host indices its stored positions hold."""
@@ -52,7 +55,7 @@ class KeptTokens:
                 host = item.pruning.kept
                 chosen = _to_device(host, embeddings.device)
             else:
-                chosen = item.pruning.select(embeddings)
+                chosen = item.pruning.select(embeddings[:, :self.feature_width])
                 host = chosen.cpu().numpy()
             if host.shape[0] != item.num_tokens:
                 raise RuntimeError(f"{item.pruning.strategy} kept {host.shape[0]} tokens of image {item.mm_hash}; "

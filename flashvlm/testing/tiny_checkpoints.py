@@ -15,10 +15,12 @@ from flashvlm.testing.tiny_qwen import (
     build_qwen2_vl,
     qwen_preprocessor_config,
 )
+from flashvlm.testing.tiny_qwen3 import QWEN3_CHAT_TEMPLATE, build_qwen3_vl
 
 __all__ = [
-    "LLAVA_CHAT_TEMPLATE", "LLAVA_SPECIAL_TOKENS", "QWEN_CHAT_TEMPLATE", "QWEN_SPECIAL_TOKENS", "build_llava",
-    "build_llava_next", "build_qwen2_vl", "build_tiny", "build_tokenizer", "qwen_preprocessor_config",
+    "LLAVA_CHAT_TEMPLATE", "LLAVA_SPECIAL_TOKENS", "QWEN3_CHAT_TEMPLATE", "QWEN_CHAT_TEMPLATE", "QWEN_SPECIAL_TOKENS",
+    "build_llava", "build_llava_next", "build_qwen2_vl", "build_qwen3_vl", "build_tiny", "build_tokenizer",
+    "qwen_preprocessor_config",
     "save_checkpoint",
 ]
 

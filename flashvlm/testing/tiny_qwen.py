@@ -54,7 +54,6 @@ def build_qwen2_vl(path: str | Path, *, qwen25: bool = False, seed: int = 0, hid
     """A tiny Qwen2-VL (or Qwen2.5-VL) checkpoint with seeded random weights. The tower has 2 heads of
     vision_width / 2 (160 gives the real towers' head dim of 80)."""
     from transformers import (
-        GenerationConfig,
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLConfig,
@@ -80,6 +79,20 @@ def build_qwen2_vl(path: str | Path, *, qwen25: bool = False, seed: int = 0, hid
         vision = dict(depth=vision_depth, embed_dim=vision_width, hidden_size=hidden, num_heads=2, mlp_ratio=2,
                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
         cfg_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    model = qwen_model(cfg_cls, model_cls, text, vision, ids, tie_word_embeddings, seed, dtype)
+    # legacy_layout None: what save_pretrained writes; True/False: one safetensors file in the pre-4.52 layout
+    # (visual.*, model.*) or the in-memory one (model.visual.*, model.language_model.*).
+    rewrite = None if legacy_layout is None else (_legacy_qwen_layout if legacy_layout else dict)
+    return save_checkpoint(model, tokenizer, Path(path), qwen_preprocessor_config(min_pixels, max_pixels, qwen25),
+                           shard_size, rewrite)
+
+
+def qwen_model(cfg_cls: type, model_cls: type, text: dict, vision: dict, ids: dict[str, int],
+               tie_word_embeddings: bool, seed: int, dtype: torch.dtype):
+    """A Qwen-VL transformers model of these text and vision configs, the special tokens' ids set, with seeded
+    random weights everywhere and the generation config the real checkpoints carry."""
+    from transformers import GenerationConfig
+
     cfg = cfg_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                   video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                   vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=tie_word_embeddings)
@@ -88,11 +101,7 @@ def build_qwen2_vl(path: str | Path, *, qwen25: bool = False, seed: int = 0, hid
     randomize(model, seed)
     model.generation_config = GenerationConfig(eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
                                                pad_token_id=ids["<|endoftext|>"])
-    # legacy_layout None: what save_pretrained writes; True/False: one safetensors file in the pre-4.52 layout
-    # (visual.*, model.*) or the in-memory one (model.visual.*, model.language_model.*).
-    rewrite = None if legacy_layout is None else (_legacy_qwen_layout if legacy_layout else dict)
-    return save_checkpoint(model, tokenizer, Path(path), qwen_preprocessor_config(min_pixels, max_pixels, qwen25),
-                           shard_size, rewrite)
+    return model
 
 
 def _mrope_section(head_dim: int) -> list[int]:

@@ -7,20 +7,23 @@ import numpy as np
 import pytest
 
 from flashvlm import LLM, SamplingParams
-from flashvlm.testing.tiny_checkpoints import build_llava, build_llava_next, build_qwen2_vl
+from flashvlm.testing.tiny_checkpoints import build_llava, build_llava_next, build_qwen2_vl, build_qwen3_vl
 
 PLACEHOLDER = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>\n",
-               "llava_next": "<image>\n"}
+               "llava_next": "<image>\n", "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
 BS = 8
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "llava", "llava_next"])
+# qwen3_vl: its DeepStack features ride in the cached embedding rows.
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl", "llava", "llava_next"])
 def family(request, tmp_path_factory) -> tuple[str, str]:
     path = tmp_path_factory.mktemp(request.param)
     if request.param == "llava":
         build_llava(path, seed=5)
     elif request.param == "llava_next":
         build_llava_next(path, seed=5)
+    elif request.param == "qwen3_vl":
+        build_qwen3_vl(path, seed=5)
     else:
         build_qwen2_vl(path, seed=5)
     return request.param, str(path)

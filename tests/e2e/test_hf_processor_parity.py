@@ -13,14 +13,14 @@ import torch
 from PIL import Image
 
 from flashvlm import LLM
-from flashvlm.testing.tiny_checkpoints import build_llava, build_llava_next, build_qwen2_vl
+from flashvlm.testing.tiny_checkpoints import build_llava, build_llava_next, build_qwen2_vl, build_qwen3_vl
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next"]
 PLACEHOLDER = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>\n",
-               "llava_next": "<image>\n"}
-BARE_PLACEHOLDER = {"qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>", "llava": "<image>",
-                    "llava_next": "<image>"}
+               "llava_next": "<image>\n", "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+BARE_PLACEHOLDER = {"qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>", "qwen3_vl": "<|image_pad|>",
+                    "llava": "<image>", "llava_next": "<image>"}
 # (width, height): one kept as it is, one resized up, one resized down (Qwen) or cropped (LLaVA); for LLaVA-NeXT
 # three tile grids, each with padding rows or columns dropped
 SIZES = ((56, 112), (80, 60), (300, 200))
@@ -53,7 +53,14 @@ def _video_processor_stand_in(monkeypatch: pytest.MonkeyPatch):
 def _hf_processor(name: str, path, hf_config):
     """HF's processor with its PIL image processor, which is what we match (the torchvision "fast" ones resize
     differently and AutoProcessor picks them wherever torchvision is installed, e.g. on the GPU machine)."""
-    from transformers import AutoTokenizer, LlavaNextProcessor, LlavaProcessor, Qwen2_5_VLProcessor, Qwen2VLProcessor
+    from transformers import (
+        AutoTokenizer,
+        LlavaNextProcessor,
+        LlavaProcessor,
+        Qwen2_5_VLProcessor,
+        Qwen2VLProcessor,
+        Qwen3VLProcessor,
+    )
     from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -72,7 +79,7 @@ def _hf_processor(name: str, path, hf_config):
                               chat_template=tokenizer.chat_template, patch_size=hf_config.vision_config.patch_size,
                               vision_feature_select_strategy=hf_config.vision_feature_select_strategy,
                               num_additional_image_tokens=1)
-    cls = Qwen2_5_VLProcessor if name == "qwen2_5_vl" else Qwen2VLProcessor
+    cls = {"qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}.get(name, Qwen2VLProcessor)
     with pytest.MonkeyPatch.context() as monkeypatch:
         return cls(image_processor=Qwen2VLImageProcessorPil.from_pretrained(path), tokenizer=tokenizer,
                    video_processor=_video_processor_stand_in(monkeypatch), chat_template=tokenizer.chat_template)
@@ -88,6 +95,8 @@ def family(request, tmp_path_factory):
         path = build_llava_next(folder, seed=31)  # its tokenizer adds <s> too
     elif name == "llava":
         path = build_llava(folder, seed=31, add_bos=True)
+    elif name == "qwen3_vl":
+        path = build_qwen3_vl(folder, seed=31)
     else:
         path = build_qwen2_vl(folder, seed=31, qwen25=name == "qwen2_5_vl")
     llm = LLM(str(path), device="cpu", kv_cache_tokens=1024)
@@ -110,6 +119,11 @@ def _assert_same(name: str, ours, hf) -> None:
     else:
         pixels = torch.cat([it.model_pixels() for it in items])
         assert [list(it.layout) for it in items] == hf["image_grid_thw"].tolist()
+        if "mm_token_type_ids" in hf:  # Qwen3-VL's processor marks the image placeholders, which ours span
+            marks = [0] * len(ours.prompt_token_ids)
+            for it in items:
+                marks[it.offset:it.end] = [1] * (it.end - it.offset)
+            assert hf["mm_token_type_ids"][0].tolist() == marks
     assert pixels.shape == hf["pixel_values"].shape
     torch.testing.assert_close(pixels, hf["pixel_values"].to(pixels.dtype), atol=1e-2, rtol=0)
 

@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from flashvlm import LLM, SamplingParams
-from flashvlm.testing.tiny_checkpoints import build_llava, build_llava_next, build_qwen2_vl
+from flashvlm.testing.tiny_checkpoints import build_llava, build_llava_next, build_qwen2_vl, build_qwen3_vl
 
 # "demo" is the shipped demo checkpoint (flashvlm/demo/checkpoint): trained weights, a Qwen2-VL architecture.
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "demo"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "demo"]
 PLACEHOLDER = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>\n",
-               "llava_next": "<image>\n", "demo": "<|vision_start|><|image_pad|><|vision_end|>"}
+               "llava_next": "<image>\n", "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+               "demo": "<|vision_start|><|image_pad|><|vision_end|>"}
 MAX_TOKENS = 10
 
 
@@ -82,6 +83,8 @@ def family(request, tmp_path_factory) -> Family:
         build_llava(path, seed=3)
     elif request.param == "llava_next":
         build_llava_next(path, seed=3)
+    elif request.param == "qwen3_vl":
+        build_qwen3_vl(path, seed=3)
     else:
         build_qwen2_vl(path, qwen25=request.param == "qwen2_5_vl", seed=3)
     return Family(request.param, path)

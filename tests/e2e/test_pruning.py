@@ -1,7 +1,8 @@
 """Visual-token pruning in the engine on tiny checkpoints (CPU, float32, greedy): the engine's pruned prompt against
 transformers run on inputs built by hand from its own vision embeddings (pool, divprune, dedup), the full
 embeddings shared by two keep ratios of one image (but no KV), chunked prefill and preemption through pruned
-images, and bad settings. What only dedup does: test_dedup_engine.py."""
+images, Qwen3-VL's DeepStack features following the kept tokens, and bad settings. What only dedup does:
+test_dedup_engine.py."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from flashvlm.processing.preprocess import token_blocks
 from flashvlm.pruning.base import TokenGrid
 from flashvlm.pruning.dedup import DedupStrategy
 from flashvlm.pruning.pool import pool_indices
+from flashvlm.pruning.registry import get_strategy
 from flashvlm.request import InvalidRequestError
-from flashvlm.testing.tiny_checkpoints import build_llava, build_llava_next, build_qwen2_vl
+from flashvlm.testing.tiny_checkpoints import build_llava, build_llava_next, build_qwen2_vl, build_qwen3_vl
 
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 LLAVA_IMAGE = "<image>\n"
@@ -35,6 +37,13 @@ def qwen(tmp_path_factory) -> str:
 def qwen25(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("qwen25_pruning")
     build_qwen2_vl(path, qwen25=True, seed=7)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("qwen3_pruning")
+    build_qwen3_vl(path, seed=7)
     return str(path)
 
 
@@ -167,6 +176,47 @@ def test_pool_and_dedup_match_transformers_on_hand_built_inputs(variant: str, st
     tokens, hf_logits = hf.generate(embeds, positions, delta, 6, axes=3)
     assert out.token_ids == tokens
     assert (ours_logits - hf_logits).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("strategy", ["pool", "divprune"])
+@torch.inference_mode()
+def test_deepstack_follows_the_kept_tokens(qwen3: str, strategy: str) -> None:
+    """Qwen3-VL: the kept indices (chosen from the image embeddings alone) select each DeepStack feature too, and
+    the features go to the kept tokens' rows, as transformers' language model adds them when handed the kept
+    embeddings, features and positions by hand (full recompute each step)."""
+    import transformers
+
+    llm = _llm(qwen3, mm_token_pruning=strategy, mm_token_keep_ratio=0.4)
+    prompt = _prompt(_image(2))
+    processed = llm.engine.process_prompt(prompt)
+    item = processed.mm_items[0]
+    grid = TokenGrid(1, 7, 6)  # 196x224 at 32 pixels a merged token
+    assert item.pruning is not None and item.pruning.grid == grid and item.num_tokens == 17
+    (out,), (ours_logits,) = _run(llm, [prompt])
+
+    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(qwen3, dtype=torch.float32).eval()
+    vision = model.model.visual(item.model_pixels(), grid_thw=torch.tensor([item.layout]))
+    kept = get_strategy(strategy).select(vision.pooler_output, grid, 0.4)
+    ids = torch.tensor(processed.prompt_token_ids)
+    embeds = model.get_input_embeddings()(ids)
+    embeds[item.offset:item.end] = vision.pooler_output[kept]
+    stack = [feature[kept] for feature in vision.deepstack_features]
+    mask = torch.zeros(1, len(ids), dtype=torch.bool)
+    mask[0, item.offset:item.end] = True
+    positions, delta = _hand_mrope(len(ids), item.offset, item.end, (7, 6), kept.numpy())
+    pos = torch.from_numpy(positions).view(3, 1, -1)
+    tokens, first = [], None
+    for _ in range(6):
+        hidden = model.model.language_model(inputs_embeds=embeds[None], position_ids=pos, visual_pos_masks=mask,
+                                            deepstack_visual_embeds=stack).last_hidden_state
+        logits = model.lm_head(hidden)[0, -1]
+        first = logits if first is None else first
+        tokens.append(int(logits.argmax()))
+        pos = torch.cat([pos, torch.full((3, 1, 1), embeds.shape[0] + delta)], dim=-1)
+        embeds = torch.cat([embeds, model.get_input_embeddings()(torch.tensor(tokens[-1:]))])
+        mask = torch.cat([mask, torch.zeros(1, 1, dtype=torch.bool)], dim=1)
+    assert out.token_ids == tokens
+    assert (ours_logits - first).abs().max().item() <= 1e-4
 
 
 @torch.inference_mode()
@@ -310,7 +360,10 @@ def test_two_keep_ratios_share_the_vision_work_but_no_kv(qwen: str) -> None:
     assert stats["image_tokens"] == 5 * 56 and stats["image_tokens_kept"] == 28 + 14 + 14 + 28 + 56
 
 
-def test_chunked_prefill_through_pruned_images_equals_unchunked(qwen: str) -> None:
+@pytest.mark.parametrize(("variant", "kept"), [("qwen", [2 * 17, 28, 56, 10]), ("qwen3", [2 * 13, 21, 42, 11])])
+def test_chunked_prefill_through_pruned_images_equals_unchunked(variant: str, kept: list[int], request) -> None:
+    """Qwen3-VL: a chunk starting inside a pruned image takes its share of the kept rows, DeepStack included."""
+    qwen = request.getfixturevalue(variant)
     prompts = [
         {"prompt": PREFIX + QWEN_IMAGE + " and " + QWEN_IMAGE + " compare them.", "images": [_image(4), _image(5)],
          "mm_processor_kwargs": {"mm_token_pruning": "divprune", "mm_token_keep_ratio": 0.3}},
@@ -324,7 +377,7 @@ def test_chunked_prefill_through_pruned_images_equals_unchunked(qwen: str) -> No
     assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
     for a, b in zip(chunked_logits, whole_logits):
         assert (a - b).abs().max().item() <= 1e-4
-    assert [o.num_image_tokens_kept for o in whole] == [2 * 17, 28, 56, 10]
+    assert [o.num_image_tokens_kept for o in whole] == kept
 
 
 def test_preemption_and_recompute_keep_pruned_outputs(qwen: str) -> None:

@@ -15,14 +15,17 @@ pytest.importorskip("triton")
 
 from flashvlm import LLM, SamplingParams  # noqa: E402
 from flashvlm.models.registry import resolve_family  # noqa: E402
-from flashvlm.testing.tiny_checkpoints import build_qwen2_vl, build_tiny  # noqa: E402
+from flashvlm.testing.tiny_checkpoints import build_qwen2_vl, build_qwen3_vl, build_tiny  # noqa: E402
 
 pytestmark = pytest.mark.slow  # engine runs through the Triton interpreter: minutes on 2 cores
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+# Qwen3-VL: QK-norm before the fused rotary, and DeepStack columns in the graphs' embedding buffers.
+BUILDERS = pytest.mark.parametrize("build", [build_qwen2_vl, build_qwen3_vl], ids=["qwen2_vl", "qwen3_vl"])
 
 
-@pytest.mark.parametrize("architecture", ["Qwen2VLForConditionalGeneration", "LlavaNextForConditionalGeneration"])
+@pytest.mark.parametrize("architecture", ["Qwen2VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+                                          "LlavaNextForConditionalGeneration"])
 def test_triton_backend_matches_reference(tmp_path, architecture: str) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = str(build_tiny(architecture, tmp_path / "m", seed=13))
@@ -41,7 +44,8 @@ def test_triton_backend_matches_reference(tmp_path, architecture: str) -> None:
     assert outs["triton"] == outs["reference"]
 
 
-def test_fused_rotary_feeds_strided_queries_to_the_kernels(tmp_path, monkeypatch) -> None:
+@BUILDERS
+def test_fused_rotary_feeds_strided_queries_to_the_kernels(build, tmp_path, monkeypatch) -> None:
     """With the fused rotary kernel (decoder, and the vision tower's float32 variant), q and k reach the attention
     kernels as strided views of the packed QKV output; the tokens must not change (float32, the rotary kernel
     forced on for CPU tensors too)."""
@@ -49,7 +53,7 @@ def test_fused_rotary_feeds_strided_queries_to_the_kernels(tmp_path, monkeypatch
     from flashvlm.kernels import dispatch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    path = str(build_qwen2_vl(tmp_path / "m", seed=5))
+    path = str(build(tmp_path / "m", seed=5))
     rng = np.random.default_rng(2)
     prompts = [{"prompt": IMG + "What is shown?", "images": [rng.integers(0, 256, (56, 56, 3), np.uint8)]},
                {"prompt": "Text only, a little longer than the other one."}]
@@ -87,12 +91,13 @@ def test_fused_rotary_feeds_strided_queries_to_the_kernels(tmp_path, monkeypatch
     assert outs["triton"] == outs["torch"]
 
 
-def test_step_graphs_serve_prefill_and_mixed_steps_with_the_same_tokens(tmp_path) -> None:
+@BUILDERS
+def test_step_graphs_serve_prefill_and_mixed_steps_with_the_same_tokens(build, tmp_path) -> None:
     """Prefill chunks, cached-prefix extends and mixed batches through the step graphs (padded to their bucket)
     give the eager path's greedy tokens. On CPU the graphs' padded body runs eagerly (no capture): that is what
     the padding semantics rest on; on CUDA the engine captures and replays the real graphs."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    path = str(build_qwen2_vl(tmp_path / "m", seed=21))
+    path = str(build(tmp_path / "m", seed=21))
     rng = np.random.default_rng(4)
     pic = rng.integers(0, 256, (56, 84, 3), np.uint8)
     prompts = [{"prompt": IMG + "Describe the picture.", "images": [pic]},
@@ -163,11 +168,12 @@ def _decode_graphs_on_cpu(llm: LLM, lookahead: bool) -> None:
         engine.scheduler._lookahead_slots = 1
 
 
-def test_decode_graphs_staging_gives_the_eager_tokens(tmp_path) -> None:
+@BUILDERS
+def test_decode_graphs_staging_gives_the_eager_tokens(build, tmp_path) -> None:
     """Decode steps through the decode graphs' pinned staging buffers (a DecodeBatch written on the host, one
     copy per buffer, padded rows) give the eager path's tokens. On CPU the graph body runs eagerly on the same
     buffers; on CUDA the engine captures and replays the graphs."""
-    path = str(build_qwen2_vl(tmp_path / "m", seed=8))
+    path = str(build(tmp_path / "m", seed=8))
     prompts = _three_prompts(6)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 3, 8)]
     expected = [o.token_ids for o in LLM(path, enforce_eager=True, **DECODE_OPTS).generate(prompts, params)]

@@ -22,7 +22,8 @@ def _model(num_layers: int, kv_heads: int, head_dim: int, vocab: int, hidden: in
            vision_graphable: bool = True) -> SimpleNamespace:
     spec = KVCacheSpec(num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim)
     return SimpleNamespace(kv_cache_spec=lambda: spec, vocab_size=vocab, vision_graphable=vision_graphable,
-                           language_model=SimpleNamespace(embed_tokens=torch.nn.Embedding(1, hidden)))
+                           language_model=SimpleNamespace(embed_tokens=torch.nn.Embedding(1, hidden)),
+                           embedding_width=hidden)
 
 
 def _planner(graphs: bool = True, max_num_seqs: int = 256, prefill_graph_max_tokens: int = 2048,
@@ -39,6 +40,14 @@ def _reserve_before_the_split(n: int, layers: int, vocab: int, step_tokens: int,
     decode = 256 * 2**20 + 3 * n * vocab * 4 + n * layers * 2**17
     step = 256 * 2**20 + step_tokens * 2**16 + 3 * n * vocab * 4 if step_tokens >= 16 else 0
     return decode + step + (2**30 if vision else 0)
+
+
+def test_wider_input_rows_grow_the_step_reserve() -> None:
+    """Qwen3-VL-8B's rows carry 3 DeepStack features: the step graphs' buffer and the decoder's split of it."""
+    planner = _planner(prefill_graph_max_tokens=2048)
+    before = planner.graph_reserves().step
+    planner.model.embedding_width = 4 * 3584
+    assert planner.graph_reserves().step - before == 2 * 2048 * 3 * 3584 * 2
 
 
 def test_the_decode_reserve_covers_the_7b_measurement() -> None:
@@ -65,6 +74,8 @@ def test_cpu_and_fixed_kv_sizes() -> None:
     planner = _planner()
     assert planner.kv_bytes_per_block() == 2 * 28 * 16 * 4 * 128 * 2
     assert planner.embedding_cache_bytes() == 8192 * 3584 * 2  # 56 MiB: the encoder cache's default budget
+    planner.model.embedding_width = 4 * 4096  # Qwen3-VL-8B: the embedding and 3 DeepStack features a row
+    assert planner.embedding_cache_bytes() == 8192 * 4 * 4096 * 2
 
 
 @pytest.mark.parametrize("free_gib", [30.0, 61.5])

@@ -89,9 +89,9 @@ def apply_vision_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
 class PatchEmbed(nn.Module):
     """The reference's Conv3d with kernel == stride over one patch is a Linear over the flattened patch."""
 
-    def __init__(self, in_features: int, dim: int) -> None:
+    def __init__(self, in_features: int, dim: int, bias: bool = False) -> None:
         super().__init__()
-        self.proj = PlainLinear(in_features, dim, bias=False)
+        self.proj = PlainLinear(in_features, dim, bias=bias)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.proj(pixel_values)
