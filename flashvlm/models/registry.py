@@ -26,6 +26,7 @@ _FAMILIES: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "flashvlm.models.families.qwen2_vl:QWEN2_VL",
     "Qwen2_5_VLForConditionalGeneration": "flashvlm.models.families.qwen2_vl:QWEN2_5_VL",
     "LlavaForConditionalGeneration": "flashvlm.models.families.llava:LLAVA",
+    "FuyuForCausalLM": "flashvlm.models.families.fuyu:FUYU",
 }
 
 
@@ -70,8 +71,8 @@ class ModelFamily:
 
     def baseline_image_inputs(self, items: list[MMItem], input_ids: torch.Tensor, attention_mask: torch.Tensor,
                               image_token_id: int, device: str) -> dict[str, torch.Tensor]:
-        """The image arguments of the transformers model's `generate` for a batch's items (pixel_values in
-        float32; the baseline casts them)."""
+        """The image arguments of the transformers model's `generate` for a batch's items (pixels in float32; the
+        baseline casts every floating tensor)."""
         raise NotImplementedError
 
     def build_tiny_checkpoint(self, path: str | Path, **kwargs: Any) -> Path:

@@ -139,10 +139,18 @@ class InputProcessor:
             if not isinstance(prompt["prompt"], str):
                 raise InvalidRequestError("prompt must be a string")
             check_unicode(prompt["prompt"], "prompt")
-            token_ids = self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
+            token_ids = self._encode_text(prompt["prompt"], len(images))
         else:
             raise InvalidRequestError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
         return self._attach_images(token_ids, images, kwargs)
+
+    def _encode_text(self, text: str, num_images: int) -> list[int]:
+        """A raw prompt's token ids: the tokenizer's, with its special tokens, unless the family's image part
+        builds them its own way (`encode_prompt`: Fuyu's processor puts the image before the BOS)."""
+        encode = getattr(self.image_inputs, "encode_prompt", None)
+        if encode is None:
+            return self.tokenizer.encode(text, add_special_tokens=True)
+        return encode(self.tokenizer, text, num_images)
 
     def _process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None, chat_template: str | None,
                       add_generation_prompt: bool, tools: list[dict] | None) -> ProcessedPrompt:
@@ -199,6 +207,10 @@ class InputProcessor:
     def _attach_images(self, token_ids: list[int], images: list[Any], kwargs: dict) -> ProcessedPrompt:
         if len(images) > self.max_images_per_prompt:
             raise InvalidRequestError(f"{len(images)} images in one prompt; the limit is {self.max_images_per_prompt}")
+        family_limit = getattr(self.image_inputs, "max_images_per_prompt", None)
+        if family_limit is not None and len(images) > family_limit:
+            raise InvalidRequestError(f"{len(images)} images in one prompt; this model takes at most {family_limit} "
+                                      "(as its Hugging Face processor does)")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
@@ -265,15 +277,16 @@ class InputProcessor:
             item.offset = offset
         return token_ids
 
-    @staticmethod
-    def _expand_each(token_ids: list[int], starts: list[int], items: list[MMItem]) -> list[int]:
-        """Replace the placeholder at each of `starts` by its image's tokens."""
+    def _expand_each(self, token_ids: list[int], starts: list[int], items: list[MMItem]) -> list[int]:
+        """Replace the placeholder at each of `starts` by its image's tokens: num_tokens copies of it, or the ids the
+        family's image part gives (`placeholder_ids`: Fuyu ends each row of patches in a newline token)."""
+        expand = getattr(self.image_inputs, "placeholder_ids", None)
         out: list[int] = []
         previous = 0
         for start, item in zip(starts, items):
             out.extend(token_ids[previous:start])
             item.offset = len(out)
-            out.extend([token_ids[start]] * item.num_tokens)
+            out.extend([token_ids[start]] * item.num_tokens if expand is None else expand(item, token_ids[start]))
             previous = start + 1
         out.extend(token_ids[previous:])
         return out

@@ -69,6 +69,10 @@ class ImageInputs(Protocol):
         strategies select on); None where the tokens form no grid."""
         ...
 
+    # Optional members, read by `InputProcessor` where a family's processor has its own prompt rules (Fuyu's):
+    # `max_images_per_prompt: int`, `encode_prompt(tokenizer, text, num_images) -> list[int]` (a raw prompt's ids)
+    # and `placeholder_ids(item, placeholder_id) -> list[int]` (the ids one image placeholder expands to).
+
 
 @dataclass
 class PixelSettings:

@@ -13,11 +13,12 @@ import torch
 from PIL import Image
 
 from flashvlm import LLM
-from flashvlm.testing.tiny_checkpoints import build_llava, build_qwen2_vl
+from flashvlm.request import InvalidRequestError
+from flashvlm.testing.tiny_checkpoints import build_fuyu, build_llava, build_qwen2_vl
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "fuyu"]
 PLACEHOLDER = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>\n"}
+               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>\n", "fuyu": "|SPEAKER|"}
 BARE_PLACEHOLDER = {"qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>", "llava": "<image>"}
 # (width, height): one kept as it is, one resized up, one resized down (Qwen) or cropped (LLaVA)
 SIZES = ((56, 112), (80, 60), (300, 200))
@@ -55,6 +56,19 @@ def _hf_processor(name: str, path, hf_config):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if name == "fuyu":
+        from transformers import FuyuProcessor
+        from transformers.models.fuyu.image_processing_pil_fuyu import FuyuImageProcessorPil
+
+        class PilFuyu(FuyuImageProcessorPil):
+            """5.24's PIL patchify takes numpy only, yet FuyuProcessor hands it torch tensors (5.17's takes both)."""
+
+            def patchify_image(self, image, patch_size=None):
+                if isinstance(image, torch.Tensor):
+                    image = image.numpy()
+                return torch.from_numpy(np.ascontiguousarray(super().patchify_image(image, patch_size)))
+
+        return FuyuProcessor(image_processor=PilFuyu.from_pretrained(path), tokenizer=tokenizer)
     if name == "llava":
         # llava-hf folders carry these in processor_config.json; the tiny checkpoint has none, and without
         # patch_size HF leaves <image> unexpanded.
@@ -72,8 +86,11 @@ def _hf_processor(name: str, path, hf_config):
 def family(request, tmp_path_factory):
     name = request.param
     folder = tmp_path_factory.mktemp(name)
-    path = build_llava(folder, seed=31) if name == "llava" else build_qwen2_vl(folder, seed=31,
-                                                                              qwen25=name == "qwen2_5_vl")
+    if name == "fuyu":
+        path = build_fuyu(folder, seed=31)
+    else:
+        path = build_llava(folder, seed=31) if name == "llava" else build_qwen2_vl(folder, seed=31,
+                                                                                  qwen25=name == "qwen2_5_vl")
     llm = LLM(str(path), device="cpu", kv_cache_tokens=1024)
     return name, llm, _hf_processor(name, path, llm.engine.model.config)
 
@@ -81,7 +98,14 @@ def family(request, tmp_path_factory):
 def _assert_same(name: str, ours, hf) -> None:
     assert ours.prompt_token_ids == hf["input_ids"][0].tolist()
     items = ours.mm_items
-    if name == "llava":
+    if not items:
+        assert "pixel_values" not in hf and "image_patches" not in hf
+        return
+    if name == "fuyu":
+        pixels = torch.cat([it.model_pixels() for it in items])
+        assert sum(rows * cols for rows, cols in (it.layout for it in items)) == pixels.shape[0]
+        hf = {"pixel_values": hf["image_patches"].reshape(pixels.shape[0], -1)}
+    elif name == "llava":
         pixels = torch.stack([torch.as_tensor(it.pixel_values) for it in items])
     else:
         pixels = torch.cat([it.model_pixels() for it in items])
@@ -90,23 +114,38 @@ def _assert_same(name: str, ours, hf) -> None:
     torch.testing.assert_close(pixels, hf["pixel_values"].to(pixels.dtype), atol=1e-2, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["one_image", "two_sizes", "adjacent"])
+@pytest.mark.parametrize("case", ["one_image", "large_image", "text_only", "two_sizes", "adjacent"])
 def test_raw_prompt_matches_hf_processor(family, case) -> None:
     name, llm, hf_processor = family
+    if name == "fuyu" and case in ("two_sizes", "adjacent"):
+        pytest.skip("FuyuProcessor takes one image a prompt (test_parity checks the engine refuses more)")
     if case == "one_image":
         text, sizes = PLACEHOLDER[name] + "What is this?", SIZES[1:2]
+    elif case == "large_image":
+        text, sizes = PLACEHOLDER[name] + "What is this?", SIZES[2:]
+    elif case == "text_only":
+        text, sizes = "What is this?", ()
     elif case == "two_sizes":
         text, sizes = PLACEHOLDER[name] + "left, right: " + PLACEHOLDER[name] + "compare", SIZES[:2]
     else:
         text, sizes = BARE_PLACEHOLDER[name] * 3 + " compare", SIZES
     images = [_image(size, seed) for seed, size in enumerate(sizes)]
     ours = llm.engine.process_prompt({"prompt": text, "images": images})
-    hf = hf_processor(text=text, images=[Image.fromarray(a) for a in images], return_tensors="pt")
+    # FuyuProcessor puts the image in front of the text itself; our raw prompt may name its place.
+    hf_text = text.removeprefix(PLACEHOLDER[name]) if name == "fuyu" else text
+    hf = hf_processor(text=hf_text, images=[Image.fromarray(a) for a in images] or None, return_tensors="pt")
     _assert_same(name, ours, hf)
+    if name == "fuyu" and images:  # the text alone, without the placeholder, is the same prompt
+        assert llm.engine.process_prompt({"prompt": hf_text, "images": images}).prompt_token_ids == \
+            ours.prompt_token_ids
 
 
 def test_chat_matches_hf_processor(family) -> None:
     name, llm, hf_processor = family
+    if name == "fuyu":  # adept/fuyu-8b ships no chat template, nor does FuyuProcessor
+        with pytest.raises(InvalidRequestError, match="no chat template"):
+            llm.engine.process_chat([{"role": "user", "content": "hi"}])
+        return
     images = [_image(size, 10 + seed) for seed, size in enumerate(SIZES[:2])]
     content = [{"type": "text", "text": "Two pictures:"}, {"type": "image"}, {"type": "image"},
                {"type": "text", "text": "Which is brighter?"}]

@@ -7,13 +7,16 @@ import pytest
 import torch
 
 from flashvlm import LLM, SamplingParams
-from flashvlm.testing.tiny_checkpoints import build_llava, build_qwen2_vl
+from flashvlm.request import InvalidRequestError
+from flashvlm.testing.tiny_checkpoints import build_fuyu, build_llava, build_qwen2_vl
 
 # "demo" is the shipped demo checkpoint (flashvlm/demo/checkpoint): trained weights, a Qwen2-VL architecture.
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "demo"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "demo", "fuyu"]
 PLACEHOLDER = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>\n",
-               "demo": "<|vision_start|><|image_pad|><|vision_end|>"}
+               "demo": "<|vision_start|><|image_pad|><|vision_end|>", "fuyu": "|SPEAKER|"}
+MAX_IMAGES = {"fuyu": 1}
+"""Families whose HF processor takes fewer images a prompt (FuyuProcessor: one); the engine refuses more."""
 MAX_TOKENS = 10
 
 
@@ -27,6 +30,7 @@ class Family:
     def __init__(self, name: str, path) -> None:
         from transformers import (
             AutoConfig,
+            FuyuForCausalLM,
             LlavaForConditionalGeneration,
             Qwen2_5_VLForConditionalGeneration,
             Qwen2VLForConditionalGeneration,
@@ -34,9 +38,15 @@ class Family:
 
         self.name, self.path = name, str(path)
         cls = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
-               "llava": LlavaForConditionalGeneration, "demo": Qwen2VLForConditionalGeneration}[name]
+               "llava": LlavaForConditionalGeneration, "demo": Qwen2VLForConditionalGeneration,
+               "fuyu": FuyuForCausalLM}[name]
         self.hf = cls.from_pretrained(self.path, dtype=torch.float32).eval()
         self.config = AutoConfig.from_pretrained(self.path)
+        self.max_images = MAX_IMAGES.get(name, 16)
+
+    def images(self, n: int) -> int:
+        """n, or as many as the family's processor takes (its refusal of more has its own test)."""
+        return min(n, self.max_images)
 
     def prompt(self, text: str, n_images: int, sizes=((56, 112), (140, 84))) -> dict:
         images = [_image(*sizes[i % len(sizes)], seed=i + len(text)) for i in range(n_images)]
@@ -47,7 +57,9 @@ class Family:
         ids = torch.tensor([processed.prompt_token_ids])
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         items = processed.mm_items
-        if items and self.name == "llava":
+        if items and self.name == "fuyu":
+            inputs["image_patches"] = torch.cat([it.model_pixels() for it in items])
+        elif items and self.name == "llava":
             inputs["pixel_values"] = torch.stack([it.pixel_values for it in items])
         elif items:
             inputs["pixel_values"] = torch.cat([it.model_pixels() for it in items])
@@ -87,6 +99,8 @@ def family(request, tmp_path_factory) -> Family:
     path = tmp_path_factory.mktemp(request.param)
     if request.param == "llava":
         build_llava(path, seed=3)
+    elif request.param == "fuyu":
+        build_fuyu(path, seed=3)
     else:
         build_qwen2_vl(path, qwen25=request.param == "qwen2_5_vl", seed=3)
     return Family(request.param, path)
@@ -115,7 +129,16 @@ def test_single_image(family: Family) -> None:
 
 
 def test_two_images_non_square(family: Family) -> None:
+    if family.max_images < 2:
+        with pytest.raises(InvalidRequestError, match="at most 1"):
+            _llm(family).generate([family.prompt("Compare them.", 2)], SamplingParams(max_tokens=2))
+        return
     _check(family, _llm(family), [family.prompt("Compare them.", 2, sizes=((56, 112), (140, 84)))])
+
+
+def test_large_image_resized(family: Family) -> None:
+    """Larger than every tiny processor's target: Qwen shrinks it, LLaVA crops it, Fuyu fits it into its canvas."""
+    _check(family, _llm(family), [family.prompt("What is it?", 1, sizes=((300, 200),))])
 
 
 def test_text_only(family: Family) -> None:
@@ -124,13 +147,15 @@ def test_text_only(family: Family) -> None:
 
 def test_mixed_batch_of_eight(family: Family) -> None:
     texts = ["Hi.", "What colour is the shape?", "The quick brown fox jumps over the lazy dog. " * 3, "yes no"]
-    prompts = [family.prompt(texts[i % 4], n_images=i % 3, sizes=((56, 56), (84, 140), (112, 56)))
+    prompts = [family.prompt(texts[i % 4], n_images=family.images(i % 3), sizes=((56, 56), (84, 140), (112, 56)))
                for i in range(8)]
     _check(family, _llm(family), prompts)
 
 
 def test_chunked_prefill(family: Family) -> None:
-    prompts = [family.prompt("Describe both pictures in detail.", 2), family.prompt("Short.", 1)]
+    # Fuyu, one image a prompt: 140x84 is 18 tokens, more than a step's budget of 16.
+    first = family.prompt("Describe both pictures in detail.", family.images(2), sizes=((140, 84), (56, 112)))
+    prompts = [first, family.prompt("Short.", 1)]
     _check(family, _llm(family, max_num_batched_tokens=16), prompts)
 
 
