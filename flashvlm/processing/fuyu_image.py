@@ -219,5 +219,8 @@ class FuyuImageInputs:
         if not num_images:
             return tokenizer.encode(text, add_special_tokens=True)
         text = text.removeprefix(IMAGE_TOKEN)
+        if IMAGE_TOKEN in text:
+            raise InvalidRequestError(f"this model's prompt puts its image in front of the text, as FuyuProcessor "
+                                      f"does; {IMAGE_TOKEN} may only open the prompt")
         return [self.image_token_id, tokenizer.convert_tokens_to_ids(BOS),
                 *tokenizer.encode(text + BEGIN_ANSWER, add_special_tokens=False)]
