@@ -47,7 +47,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
     add_engine_args(p)
     g = p.add_argument_group("benchmark model and baseline")
-    g.add_argument("--benchmark-model", default=None, choices=["qwen2-vl-7b"],
+    g.add_argument("--benchmark-model", default=None, choices=["qwen2-vl-7b", "fuyu-8b"],
                    help="a real-size config with random weights (implies --load-format dummy)")
     g.add_argument("--baseline", default=None, choices=["transformers", "vllm"],
                    help="also run the workload through this system and report ratios (vllm: in a subprocess, "
