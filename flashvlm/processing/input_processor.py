@@ -144,12 +144,21 @@ class InputProcessor:
             raise InvalidRequestError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
         return self._attach_images(token_ids, images, kwargs)
 
+    def _check_image_count(self, n: int) -> None:
+        if n > self.max_images_per_prompt:
+            raise InvalidRequestError(f"{n} images in one prompt; the limit is {self.max_images_per_prompt}")
+        family_limit = getattr(self.image_inputs, "max_images_per_prompt", None)
+        if family_limit is not None and n > family_limit:
+            raise InvalidRequestError(f"{n} images in one prompt; this model takes at most {family_limit} "
+                                      "(as its Hugging Face processor does)")
+
     def _encode_text(self, text: str, num_images: int) -> list[int]:
         """A raw prompt's token ids: the tokenizer's, with its special tokens, unless the family's image part
         builds them its own way (`encode_prompt`: Fuyu's processor puts the image before the BOS)."""
         encode = getattr(self.image_inputs, "encode_prompt", None)
         if encode is None:
             return self.tokenizer.encode(text, add_special_tokens=True)
+        self._check_image_count(num_images)  # before the family's prompt rules read the text
         return encode(self.tokenizer, text, num_images)
 
     def _process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None, chat_template: str | None,
@@ -205,12 +214,7 @@ class InputProcessor:
 
     # ---- images --------------------------------------------------------------------------------
     def _attach_images(self, token_ids: list[int], images: list[Any], kwargs: dict) -> ProcessedPrompt:
-        if len(images) > self.max_images_per_prompt:
-            raise InvalidRequestError(f"{len(images)} images in one prompt; the limit is {self.max_images_per_prompt}")
-        family_limit = getattr(self.image_inputs, "max_images_per_prompt", None)
-        if family_limit is not None and len(images) > family_limit:
-            raise InvalidRequestError(f"{len(images)} images in one prompt; this model takes at most {family_limit} "
-                                      "(as its Hugging Face processor does)")
+        self._check_image_count(len(images))
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
