@@ -79,8 +79,10 @@ def build_fuyu(path: str | Path, *, seed: int = 0, hidden: int = 64, layers: int
                 qk_layernorm=True, rope_parameters={"rope_type": "default", "rope_theta": 25000.0,
                                                     "partial_rotary_factor": 0.5},
                 bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=None)
+    # transformers 5.17 keeps the text fields at the top level too and sizes the patch projection from them.
+    top = {k: v for k, v in text.items() if k in getattr(FuyuConfig, "__dataclass_fields__", {})}
     cfg = FuyuConfig(text_config=PersimmonConfig(**text), image_token_id=ids["|SPEAKER|"], patch_size=30,
-                     num_channels=3)
+                     num_channels=3, **top)
     torch.manual_seed(seed)
     model = FuyuForCausalLM(cfg).to(dtype).eval()
     randomize(model, seed)
