@@ -11,7 +11,7 @@ from flashvlm.layers.activation import get_activation
 from flashvlm.layers.attention import ForwardContext, PagedAttention
 from flashvlm.layers.linear import Linear, MergedLinear
 from flashvlm.layers.norm import HeadLayerNorm, LayerNorm
-from flashvlm.layers.rotary import RotaryEmbedding, apply_partial_rotary
+from flashvlm.layers.rotary import RotaryEmbedding, apply_partial_rotary_
 from flashvlm.models.interfaces import KVCacheSpec
 
 
@@ -52,14 +52,16 @@ class PersimmonAttention(nn.Module):
             self.q_layernorm = HeadLayerNorm(self.head_dim, cfg.layer_norm_eps)
             self.k_layernorm = HeadLayerNorm(self.head_dim, cfg.layer_norm_eps)
         self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, layer_idx)
+        self.use_triton_kernels = True
+        """Fused partial rotary on CUDA tensors; the engine sets it from EngineConfig.kernel_backend."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        n = x.shape[0]
         q, k, v = self.query_key_value.split_output(self.query_key_value(x))
         if self.qk_layernorm:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        q = apply_partial_rotary(q.reshape(n, self.num_heads, self.head_dim), cos, sin).reshape(n, -1)
-        k = apply_partial_rotary(k.reshape(n, self.num_heads, self.head_dim), cos, sin).reshape(n, -1)
+        # In place on the kernel path: q and k are the QK-norm's fresh outputs, or views of this layer's projection.
+        q = apply_partial_rotary_(q, cos, sin, self.num_heads, self.head_dim, enabled=self.use_triton_kernels)
+        k = apply_partial_rotary_(k, cos, sin, self.num_heads, self.head_dim, enabled=self.use_triton_kernels)
         return self.dense(self.attn(q, k, v, ctx))
 
 
