@@ -31,7 +31,7 @@ _PREFIXES = (
     ("vision_embed_tokens.", "vision_tower.proj."),
 )
 _HEAD_PREFIXES = ("lm_head.", "language_model.lm_head.")
-_QKV = ("self_attn.query_key_value.weight", "self_attn.query_key_value.bias")
+_QKV = ".self_attn.query_key_value."
 
 
 class FuyuPatchProjection(nn.Module):
@@ -106,9 +106,17 @@ class FuyuForCausalLM(VLModel):
         return None
 
     def _prepare(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        heads = self.config.text_config.num_attention_heads
+        """Every per-row tensor of the fused QKV projection (weight, bias, a pre-quantized checkpoint's per-row
+        scales) is reordered to q|k|v; one of another row count cannot be, and is refused rather than misread."""
+        text_cfg = self.config.text_config
+        heads, rows = text_cfg.num_attention_heads, 3 * text_cfg.hidden_size
         for name, tensor in weights:
-            yield name, deinterleave_qkv(tensor, heads) if name.endswith(_QKV) else tensor
+            if _QKV in name and tensor.numel() > 1:
+                if tensor.dim() == 0 or tensor.shape[0] != rows:
+                    raise ValueError(f"checkpoint tensor {name} of shape {tuple(tensor.shape)}: its rows are not "
+                                     f"the {rows} per-head interleaved q|k|v rows flashvlm reorders at load")
+                tensor = deinterleave_qkv(tensor, heads)
+            yield name, tensor
 
     def _expected_unused(self, ckpt_name: str) -> bool:
         return ckpt_name.startswith(_HEAD_PREFIXES) and self.lm_head is None

@@ -72,6 +72,18 @@ def test_deinterleave_qkv_splits_per_head_rows() -> None:
     assert out[0, 1].tolist() == [9, 10, 11] and out[1, 0].tolist() == [3, 4, 5] and out[2, 1].tolist() == [15, 16, 17]
 
 
+def test_every_per_row_qkv_tensor_is_reordered(llm: LLM) -> None:
+    model = llm.engine.model
+    rows = 3 * model.config.text_config.hidden_size
+    name = "model.language_model.layers.0.self_attn.query_key_value."
+    scale, per_tensor = torch.arange(rows, dtype=torch.float32)[:, None], torch.ones(1)
+    out = dict(model._prepare([(name + "weight_scale", scale), (name + "input_scale", per_tensor)]))
+    assert torch.equal(out[name + "weight_scale"], deinterleave_qkv(scale, 4))
+    assert out[name + "input_scale"] is per_tensor
+    with pytest.raises(ValueError, match="interleaved"):
+        list(model._prepare([(name + "weight_zero_point", torch.zeros(rows // 8, 2))]))
+
+
 def test_encoded_image_is_patch_projection_with_newline_rows(llm: LLM, ckpt: Path) -> None:
     hf = transformers.FuyuForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     item = llm.engine.process_prompt({"prompt": "Hi", "images": [_image(70, 50)]}).mm_items[0]
