@@ -268,10 +268,15 @@ class InputProcessor:
         tok = self.image_token_id
         runs = _runs_of(token_ids, tok)
         count = sum(length for _, length in runs)
-        if count == len(items):
+        expand = getattr(self.image_inputs, "placeholder_ids", None)
+        # A family's own expansion (Fuyu's rows end in a newline) is recognised by its ids, tried first: a 1x1
+        # Fuyu grid expands to one placeholder and a newline, so the count alone cannot tell.
+        offsets = None if expand is None else _matched_offsets(token_ids, tok, [expand(it, tok) for it in items])
+        if offsets is None and count == len(items):
             starts = [i for start, length in runs for i in range(start, start + length)]
             return self._expand_each(token_ids, starts, items)
-        offsets = _expanded_offsets(runs, items)
+        if expand is None:
+            offsets = _expanded_offsets(runs, items)
         if offsets is None:
             raise InvalidRequestError(
                 f"prompt has {count} image placeholder token(s) {self._image_token!r} (in runs of "
@@ -330,6 +335,22 @@ def _expanded_offsets(runs: list[tuple[int, int]], items: list[MMItem]) -> list[
         if length:
             return None
     return offsets if len(offsets) == len(items) else None
+
+
+def _matched_offsets(ids: list[int], tok: int, expansions: list[list[int]]) -> list[int] | None:
+    """Where each image starts if the prompt holds exactly these expansions, in order, each at a placeholder token
+    and no placeholder token outside them; else None."""
+    offsets, cursor = [], 0
+    for expansion in expansions:
+        try:
+            start = ids.index(tok, cursor)
+        except ValueError:
+            return None
+        if ids[start:start + len(expansion)] != expansion:
+            return None
+        offsets.append(start)
+        cursor = start + len(expansion)
+    return offsets if tok not in ids[cursor:] else None
 
 
 def _runs_of(ids: list[int], tok: int) -> list[tuple[int, int]]:

@@ -135,6 +135,10 @@ def test_raw_prompt_matches_hf_processor(family, case) -> None:
     hf_text = text.removeprefix(PLACEHOLDER[name]) if name == "fuyu" else text
     hf = hf_processor(text=hf_text, images=[Image.fromarray(a) for a in images] or None, return_tensors="pt")
     _assert_same(name, ours, hf)
+    # HF's ids, already expanded, given as token ids with the same pictures: taken as they are.
+    again = llm.engine.process_prompt({"prompt_token_ids": hf["input_ids"][0].tolist(), "images": images})
+    assert again.prompt_token_ids == ours.prompt_token_ids
+    assert [it.offset for it in again.mm_items] == [it.offset for it in ours.mm_items]
     if name == "fuyu" and images:  # the text alone, without the placeholder, is the same prompt
         assert llm.engine.process_prompt({"prompt": hf_text, "images": images}).prompt_token_ids == \
             ours.prompt_token_ids

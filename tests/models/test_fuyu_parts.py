@@ -114,12 +114,18 @@ def test_the_hub_layout_loads_the_same(llm: LLM, tmp_path: Path) -> None:
         assert torch.equal(a, b)
 
 
-def test_token_id_prompts_take_one_placeholder_per_image(llm: LLM) -> None:
-    image = _image(40, 40)
+@pytest.mark.parametrize("size", [(40, 40), (30, 30)], ids=["2x2", "1x1"])
+def test_token_id_prompts_take_one_placeholder_or_the_whole_expansion(llm: LLM, size: tuple[int, int]) -> None:
+    image = _image(*size)
     text = llm.engine.process_prompt({"prompt": "What?", "images": [image]})
-    ids = llm.engine.process_prompt({"prompt_token_ids": [llm.engine.model.image_token_id] +
-                                     text.prompt_token_ids[text.mm_items[0].end:], "images": [image]})
-    assert ids.prompt_token_ids == text.prompt_token_ids and ids.mm_items[0].offset == 0
+    item = text.mm_items[0]
+    one = llm.engine.process_prompt({"prompt_token_ids": [llm.engine.model.image_token_id] +
+                                     text.prompt_token_ids[item.end:], "images": [image]})
+    assert one.prompt_token_ids == text.prompt_token_ids and one.mm_items[0].offset == 0
+    expanded = llm.engine.process_prompt({"prompt_token_ids": text.prompt_token_ids, "images": [image]})
+    assert expanded.prompt_token_ids == text.prompt_token_ids and expanded.mm_items[0].offset == 0
+    with pytest.raises(InvalidRequestError, match="placeholder"):  # a row cut short is neither
+        llm.engine.process_prompt({"prompt_token_ids": text.prompt_token_ids[1:], "images": [image]})
 
 
 @pytest.mark.parametrize(("prompt", "needle"), [
