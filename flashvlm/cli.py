@@ -13,7 +13,7 @@ from flashvlm.options import add_engine_args, engine_config_from_args
 _DESCRIPTION = """flashvlm: fast inference for vision-language models.
 
 Models are local Hugging Face checkpoint folders (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-1.5 and LLaVA-NeXT in
-llava-hf form).
+llava-hf form, Fuyu-8B).
 Without --model, the embedded demo model answers: a tiny Qwen2-VL trained on generated scenes of shapes
 and printed text (colour, count, left/right/above/below, numbers and words; docs/demo.md)."""
 

@@ -85,8 +85,8 @@ def _device(name: str, value: Any) -> str | None:
 @dataclass
 class ModelConfig:
     model: str = option(help="path to a local Hugging Face checkpoint folder (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, "
-                             "LLaVA-1.5, LLaVA-NeXT in llava-hf form), or a demo model's name: demo, demo-large "
-                             "(docs/demo.md)",
+                             "LLaVA-1.5, LLaVA-NeXT in llava-hf form, Fuyu-8B), or a demo model's name: demo, "
+                             "demo-large (docs/demo.md)",
                         shown_default="the embedded demo model (docs/demo.md)")
     dtype: str = option("auto", choices=("auto", "float32", "float16", "bfloat16"),
                         help="weights and activations dtype; auto = the checkpoint's dtype on GPU, float32 on CPU "

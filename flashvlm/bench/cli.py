@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from flashvlm.bench.records import BenchRequest, ScenarioResult
 from flashvlm.extras import require_extra
 
-BENCHMARK_MODELS = ["llava-1.5-7b", "llava-v1.6-mistral-7b", "qwen2-vl-7b", "qwen2.5-vl-7b", "qwen3-vl-8b"]
+BENCHMARK_MODELS = ["fuyu-8b", "llava-1.5-7b", "llava-v1.6-mistral-7b", "qwen2-vl-7b", "qwen2.5-vl-7b", "qwen3-vl-8b"]
 """`--benchmark-model` choices, listed here so the parser imports no model code (model_configs.py writes them)."""
 
 if TYPE_CHECKING:

@@ -76,10 +76,10 @@ def model_cost(model: nn.Module, kv_element_size: int | None = None) -> ModelCos
     vision = getattr(model, "visual", None) or getattr(model, "vision_tower", None)
     vit_params = _matmul_params(_linear_layers(vision) + _linear_layers(getattr(model, "multi_modal_projector",
                                                                                 None)))
-    vc = model.config.vision_config
+    vc = getattr(model.config, "vision_config", None)  # None: no vision transformer (Fuyu's patch projection)
     depth = int(getattr(vc, "depth", None) or getattr(vc, "num_hidden_layers", 0))
     # Qwen2-VL names the ViT width embed_dim (its hidden_size is the merger's output); others hidden_size.
-    width = int(getattr(vc, "embed_dim", None) or vc.hidden_size)
+    width = int(getattr(vc, "embed_dim", None) or getattr(vc, "hidden_size", 0))
     return ModelCost(
         lm_weight_bytes=_stored_bytes(lm_layers) + head_bytes,
         lm_matmul_params=_matmul_params(lm_layers), lm_head_params=head_params,

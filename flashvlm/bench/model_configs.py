@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from flashvlm.testing.tiny_checkpoints import QWEN_CHAT_TEMPLATE, qwen_preprocessor_config
+from flashvlm.testing.tiny_fuyu import fuyu_preprocessor_config
 from flashvlm.testing.tiny_qwen3 import QWEN3_CHAT_TEMPLATE, qwen3_preprocessor_config
 
 QWEN2_VL_7B = {
@@ -70,17 +71,34 @@ QWEN3_VL_8B = {
 QWEN_SPECIAL_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
                     "<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|image_pad|>": 151655,
                     "<|video_pad|>": 151656}
+# adept/fuyu-8b: Persimmon-8B text side (its config.json repeats the text fields at the top level).
+_FUYU_8B_TEXT = {
+    "vocab_size": 262144, "hidden_size": 4096, "intermediate_size": 16384, "num_hidden_layers": 36,
+    "num_attention_heads": 64, "hidden_act": "relu2", "max_position_embeddings": 16384, "layer_norm_eps": 1e-5,
+    "qk_layernorm": True, "bos_token_id": 1, "eos_token_id": 2,
+}
+FUYU_8B = {
+    "architectures": ["FuyuForCausalLM"], "model_type": "fuyu", "dtype": "bfloat16", "image_token_id": 71011,
+    "patch_size": 30, "num_channels": 3, "image_size": 300, "tie_word_embeddings": False, **_FUYU_8B_TEXT,
+    "text_config": {"model_type": "persimmon", **_FUYU_8B_TEXT, "dtype": "bfloat16",
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 25000.0, "partial_rotary_factor": 0.5}},
+}
+FUYU_SPECIAL_IDS = {"<unk>": 0, "<s>": 1, "</s>": 2, "<0x04>": 7, "|SPEAKER|": 71011, "|NEWLINE|": 71019}
 CONFIGS = {"qwen2-vl-7b": (QWEN2_VL_7B, QWEN_SPECIAL_IDS), "qwen2.5-vl-7b": (QWEN2_5_VL_7B, QWEN_SPECIAL_IDS),
-           "qwen3-vl-8b": (QWEN3_VL_8B, QWEN_SPECIAL_IDS)}
+           "qwen3-vl-8b": (QWEN3_VL_8B, QWEN_SPECIAL_IDS), "fuyu-8b": (FUYU_8B, FUYU_SPECIAL_IDS)}
 _PREPROCESSORS = {  # the real checkpoints' pixel bounds where they differ from the qwen2-vl-7b default below
     "qwen2.5-vl-7b": qwen_preprocessor_config(min_pixels=56 * 56, max_pixels=28 * 28 * 16384, qwen25=True),
     "qwen3-vl-8b": qwen3_preprocessor_config(min_pixels=65536, max_pixels=16777216),
+    "fuyu-8b": fuyu_preprocessor_config((1080, 1920)),
 }
-_CHAT_TEMPLATES = {"qwen3-vl-8b": QWEN3_CHAT_TEMPLATE}
+_CHAT_TEMPLATES: dict[str, str | None] = {"qwen3-vl-8b": QWEN3_CHAT_TEMPLATE, "fuyu-8b": None}  # adept ships none
+_TOKENS = {  # name -> (generation_config.json, eos token, pad token) where they are not Qwen's
+    "fuyu-8b": ({"eos_token_id": 2}, "</s>", "<unk>"),
+}
 
 
 def word_tokenizer(vocab_size: int, special_ids: dict[str, int], eos: str, pad: str,
-                   chat_template: str = QWEN_CHAT_TEMPLATE, bos: str | None = None):
+                   chat_template: str | None = QWEN_CHAT_TEMPLATE, bos: str | None = None):
     """Whitespace word-level tokenizer with one word per id: any sampled id decodes to text. With `bos` it puts that
     token before every text, as Llama's tokenizers do."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -111,10 +129,11 @@ def write_benchmark_model(name: str, path: str | Path) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=1))
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+    generation, eos, pad = _TOKENS.get(name, ({"eos_token_id": [151645, 151643]}, "<|im_end|>", "<|endoftext|>"))
+    (path / "generation_config.json").write_text(json.dumps(generation))
     preprocessor = _PREPROCESSORS.get(name) or qwen_preprocessor_config(min_pixels=56 * 56, max_pixels=28 * 28 * 16384)
     (path / "preprocessor_config.json").write_text(json.dumps(preprocessor))
-    tokenizer = word_tokenizer(config["text_config"]["vocab_size"], special_ids, "<|im_end|>", "<|endoftext|>",
+    tokenizer = word_tokenizer(config["text_config"]["vocab_size"], special_ids, eos, pad,
                                _CHAT_TEMPLATES.get(name, QWEN_CHAT_TEMPLATE))
     tokenizer.save_pretrained(path)
     return path

@@ -21,14 +21,14 @@ __all__ = ["apply_rotary_reference", "rotary_qk_inplace"]
 
 
 @triton.jit
-def _rotary_qk_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_ct, stride_st, num_heads,
+def _rotary_qk_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_ct, stride_st, stride_h, num_heads,
                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP32_MATH: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs = tl.arange(0, BLOCK_D)
     d_mask = offs < HALF
     mask = (heads[:, None] < num_heads) & d_mask[None, :]
-    base = x_ptr + tok * stride_xt + heads[:, None] * (2 * HALF)
+    base = x_ptr + tok * stride_xt + heads[:, None] * stride_h
     ty = x_ptr.dtype.element_ty
     x1 = tl.load(base + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF + offs[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -52,28 +52,31 @@ def _rotary_qk_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_ct, stride_st, 
 
 
 def rotary_qk_inplace(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                      head_dim: int, fp32_math: bool = False) -> None:
+                      head_dim: int, fp32_math: bool = False, rotary_dim: int | None = None) -> None:
     """Rotate the first `num_heads` heads of each row of `qk` in place.
 
     qk: (tokens, width) with width >= num_heads * head_dim and a contiguous last dim: the packed QKV output,
     whose query and key heads lie side by side at the start of each row (values after them stay untouched).
     cos/sin: (tokens, head_dim) in the activation dtype, as `RotaryEmbedding` returns them.
     fp32_math: compute in float32 and round once (the vision towers' rotary, float32 cos/sin).
+    rotary_dim: rotate only the first rotary_dim channels of each head (partial rotary, Persimmon); cos/sin are
+    then (tokens, rotary_dim) and the other channels stay untouched.
     """
-    if head_dim % 2:
-        raise ValueError(f"head_dim must be even, got {head_dim}")
+    rot = head_dim if rotary_dim is None else rotary_dim
+    if rot % 2 or not 0 < rot <= head_dim:
+        raise ValueError(f"the rotated channels must be even and within head_dim {head_dim}, got {rot}")
     if qk.dim() != 2 or qk.stride(1) != 1 or qk.shape[1] < num_heads * head_dim:
         raise ValueError(f"qk must be (tokens, >= {num_heads * head_dim}) with a contiguous last dim")
     tokens = qk.shape[0]
-    if cos.shape != (tokens, head_dim) or sin.shape != (tokens, head_dim):
-        raise ValueError(f"cos/sin must be ({tokens}, {head_dim}), got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.shape != (tokens, rot) or sin.shape != (tokens, rot):
+        raise ValueError(f"cos/sin must be ({tokens}, {rot}), got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if cos.stride(1) != 1 or sin.stride(1) != 1:
         raise ValueError("cos/sin need a contiguous last dim")
     if tokens == 0 or num_heads == 0:
         return
-    half = head_dim // 2
+    half = rot // 2
     block_d = next_power_of_2(half)
     block_h = min(next_power_of_2(num_heads), max(1, 4096 // block_d))
     grid = (tokens, triton.cdiv(num_heads, block_h))
-    _rotary_qk_kernel[grid](qk, cos, sin, qk.stride(0), cos.stride(0), sin.stride(0), num_heads,
+    _rotary_qk_kernel[grid](qk, cos, sin, qk.stride(0), cos.stride(0), sin.stride(0), head_dim, num_heads,
                             HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, FP32_MATH=fp32_math, num_warps=4)

@@ -32,6 +32,11 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """relu(x) ** 2 (Persimmon's MLP, transformers' "relu2")."""
+    return torch.square(F.relu(x))
+
+
 _ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,
@@ -40,6 +45,7 @@ _ACTIVATIONS = {
     "gelu_pytorch_tanh": gelu_tanh,
     "gelu_new": gelu_new,
     "relu": F.relu,
+    "relu2": relu_squared,
 }
 
 

@@ -74,3 +74,14 @@ class LayerNorm(nn.Module):
 
             return layernorm_triton(x, residual, self.weight, self.bias, self.eps)
         return layer_norm_reference(x, residual, self.weight, self.bias, self.eps)
+
+
+class HeadLayerNorm(LayerNorm):
+    """LayerNorm over each head of a (tokens, heads * head_dim) projection: the QK-norm of Persimmon's attention,
+    one LayerNorm of width head_dim shared by every head (the fused kernel on CUDA, as LayerNorm)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            raise ValueError("HeadLayerNorm takes no residual")
+        n = x.shape[0]
+        return super().forward(x.reshape(-1, self.weight.shape[0])).view(n, -1)

@@ -44,6 +44,30 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return apply_rotary_reference(x, cos, sin)
 
 
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (tokens, heads, head_dim); cos/sin: (tokens, rotary_dim) with rotary_dim <= head_dim. Rotates the first
+    rotary_dim channels of each head (half-rotation layout within them) and passes the rest through (Persimmon's
+    partial rotary). Out of place, plain torch: the fused kernel rotates whole heads only."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return apply_rotary_reference(x, cos, sin)
+    return torch.cat((apply_rotary_reference(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
+
+
+def apply_partial_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int,
+                          *, enabled: bool | None = None, force: bool = False) -> torch.Tensor:
+    """`apply_partial_rotary` of x (tokens, num_heads * head_dim, a contiguous last dim), heads side by side: in
+    place with the fused kernel where it runs (one launch instead of the torch path's slices, products and
+    concatenation), else out of place in torch. Returns the rotated tensor either way."""
+    if use_triton(x, enabled, force) and x.dim() == 2 and x.stride(1) == 1:
+        from flashvlm.kernels.rotary import rotary_qk_inplace  # lazy: Triton loads on the first kernel call
+
+        rotary_qk_inplace(x, cos, sin, num_heads, head_dim, rotary_dim=cos.shape[-1])
+        return x
+    n = x.shape[0]
+    return apply_partial_rotary(x.reshape(n, num_heads, head_dim), cos, sin).reshape(n, -1)
+
+
 def apply_rotary_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int, *,
                      enabled: bool | None = None, force: bool = False, fp32_math: bool = False) -> bool:
     """Rotate the first `num_heads` heads of each row of the packed projection `qkv` in place (queries then

@@ -28,6 +28,7 @@ _FAMILIES: dict[str, str] = {
     "LlavaForConditionalGeneration": "flashvlm.models.families.llava:LLAVA",
     "LlavaNextForConditionalGeneration": "flashvlm.models.families.llava_next:LLAVA_NEXT",
     "Qwen3VLForConditionalGeneration": "flashvlm.models.families.qwen3_vl:QWEN3_VL",
+    "FuyuForCausalLM": "flashvlm.models.families.fuyu:FUYU",
 }
 
 
@@ -72,8 +73,8 @@ class ModelFamily:
 
     def baseline_image_inputs(self, items: list[MMItem], input_ids: torch.Tensor, attention_mask: torch.Tensor,
                               image_token_id: int, device: str) -> dict[str, torch.Tensor]:
-        """The image arguments of the transformers model's `generate` for a batch's items (pixel_values in
-        float32; the baseline casts them)."""
+        """The image arguments of the transformers model's `generate` for a batch's items (pixels in float32; the
+        baseline casts every floating tensor)."""
         raise NotImplementedError
 
     def build_tiny_checkpoint(self, path: str | Path, **kwargs: Any) -> Path:

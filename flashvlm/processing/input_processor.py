@@ -152,10 +152,27 @@ class InputProcessor:
             if not isinstance(prompt["prompt"], str):
                 raise InvalidRequestError("prompt must be a string")
             check_unicode(prompt["prompt"], "prompt")
-            token_ids = self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
+            token_ids = self._encode_text(prompt["prompt"], len(images))
         else:
             raise InvalidRequestError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
         return self._attach_images(token_ids, images, kwargs)
+
+    def _check_image_count(self, n: int) -> None:
+        if n > self.max_images_per_prompt:
+            raise InvalidRequestError(f"{n} images in one prompt; the limit is {self.max_images_per_prompt}")
+        family_limit = getattr(self.image_inputs, "max_images_per_prompt", None)
+        if family_limit is not None and n > family_limit:
+            raise InvalidRequestError(f"{n} images in one prompt; this model takes at most {family_limit} "
+                                      "(as its Hugging Face processor does)")
+
+    def _encode_text(self, text: str, num_images: int) -> list[int]:
+        """A raw prompt's token ids: the tokenizer's, with its special tokens, unless the family's image part
+        builds them its own way (`encode_prompt`: Fuyu's processor puts the image before the BOS)."""
+        encode = getattr(self.image_inputs, "encode_prompt", None)
+        if encode is None:
+            return self.tokenizer.encode(text, add_special_tokens=True)
+        self._check_image_count(num_images)  # before the family's prompt rules read the text
+        return encode(self.tokenizer, text, num_images)
 
     def _process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None, chat_template: str | None,
                       add_generation_prompt: bool, tools: list[dict] | None) -> ProcessedPrompt:
@@ -217,8 +234,7 @@ class InputProcessor:
 
     # ---- images --------------------------------------------------------------------------------
     def _attach_images(self, token_ids: list[int], images: list[Any], kwargs: dict) -> ProcessedPrompt:
-        if len(images) > self.max_images_per_prompt:
-            raise InvalidRequestError(f"{len(images)} images in one prompt; the limit is {self.max_images_per_prompt}")
+        self._check_image_count(len(images))
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
@@ -274,10 +290,15 @@ class InputProcessor:
         tok = self.image_token_id
         runs = _runs_of(token_ids, tok)
         count = sum(length for _, length in runs)
-        if count == len(items):
+        expand = getattr(self.image_inputs, "placeholder_ids", None)
+        # A family's own expansion (Fuyu's rows end in a newline) is recognised by its ids, tried first: a 1x1
+        # Fuyu grid expands to one placeholder and a newline, so the count alone cannot tell.
+        offsets = None if expand is None else _matched_offsets(token_ids, tok, [expand(it, tok) for it in items])
+        if offsets is None and count == len(items):
             starts = [i for start, length in runs for i in range(start, start + length)]
             return self._expand_each(token_ids, starts, items)
-        offsets = _expanded_offsets(runs, items)
+        if expand is None:
+            offsets = _expanded_offsets(runs, items)
         if offsets is None:
             raise InvalidRequestError(
                 f"prompt has {count} image placeholder token(s) {self._image_token!r} (in runs of "
@@ -287,15 +308,16 @@ class InputProcessor:
             item.offset = offset
         return token_ids
 
-    @staticmethod
-    def _expand_each(token_ids: list[int], starts: list[int], items: list[MMItem]) -> list[int]:
-        """Replace the placeholder at each of `starts` by its image's tokens."""
+    def _expand_each(self, token_ids: list[int], starts: list[int], items: list[MMItem]) -> list[int]:
+        """Replace the placeholder at each of `starts` by its image's tokens: num_tokens copies of it, or the ids the
+        family's image part gives (`placeholder_ids`: Fuyu ends each row of patches in a newline token)."""
+        expand = getattr(self.image_inputs, "placeholder_ids", None)
         out: list[int] = []
         previous = 0
         for start, item in zip(starts, items):
             out.extend(token_ids[previous:start])
             item.offset = len(out)
-            out.extend([token_ids[start]] * item.num_tokens)
+            out.extend([token_ids[start]] * item.num_tokens if expand is None else expand(item, token_ids[start]))
             previous = start + 1
         out.extend(token_ids[previous:])
         return out
@@ -335,6 +357,22 @@ def _expanded_offsets(runs: list[tuple[int, int]], items: list[MMItem]) -> list[
         if length:
             return None
     return offsets if len(offsets) == len(items) else None
+
+
+def _matched_offsets(ids: list[int], tok: int, expansions: list[list[int]]) -> list[int] | None:
+    """Where each image starts if the prompt holds exactly these expansions, in order, each at a placeholder token
+    and no placeholder token outside them; else None."""
+    offsets, cursor = [], 0
+    for expansion in expansions:
+        try:
+            start = ids.index(tok, cursor)
+        except ValueError:
+            return None
+        if ids[start:start + len(expansion)] != expansion:
+            return None
+        offsets.append(start)
+        cursor = start + len(expansion)
+    return offsets if tok not in ids[cursor:] else None
 
 
 def _runs_of(ids: list[int], tok: int) -> list[tuple[int, int]]:

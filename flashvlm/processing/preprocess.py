@@ -71,6 +71,9 @@ class ImageInputs(Protocol):
 
     # A family may also define `token_pixels(item) -> Tensor`: (tokens, F) uint8, row i the intensity levels of
     # the preprocessed pixels token i of `token_grid` covers (what dedup compares); without it, dedup is refused.
+    # Optional members, read by `InputProcessor` where a family's processor has its own prompt rules (Fuyu's):
+    # `max_images_per_prompt: int`, `encode_prompt(tokenizer, text, num_images) -> list[int]` (a raw prompt's ids)
+    # and `placeholder_ids(item, placeholder_id) -> list[int]` (the ids one image placeholder expands to).
 
 
 @dataclass

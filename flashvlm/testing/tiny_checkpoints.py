@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from flashvlm.testing.checkpoint_writer import build_tokenizer, save_checkpoint
+from flashvlm.testing.tiny_fuyu import build_fuyu
 from flashvlm.testing.tiny_llava import LLAVA_CHAT_TEMPLATE, LLAVA_SPECIAL_TOKENS, build_llava
 from flashvlm.testing.tiny_llava_next import build_llava_next
 from flashvlm.testing.tiny_qwen import (
@@ -19,9 +20,8 @@ from flashvlm.testing.tiny_qwen3 import QWEN3_CHAT_TEMPLATE, build_qwen3_vl
 
 __all__ = [
     "LLAVA_CHAT_TEMPLATE", "LLAVA_SPECIAL_TOKENS", "QWEN3_CHAT_TEMPLATE", "QWEN_CHAT_TEMPLATE", "QWEN_SPECIAL_TOKENS",
-    "build_llava", "build_llava_next", "build_qwen2_vl", "build_qwen3_vl", "build_tiny", "build_tokenizer",
-    "qwen_preprocessor_config",
-    "save_checkpoint",
+    "build_fuyu", "build_llava", "build_llava_next", "build_qwen2_vl", "build_qwen3_vl", "build_tiny",
+    "build_tokenizer", "qwen_preprocessor_config", "save_checkpoint",
 ]
 
 

@@ -146,3 +146,17 @@ def test_multiturn_and_repeated_image_splits(tmp_path) -> None:
     doc = _run(["latency", *SMALL, "--num-requests", "4", "--repeated-image-ratio", "0.5"], tmp_path / "r")
     s = doc["runs"][0]["summary"]
     assert s["ttft_first_image_ms"]["p50"] is not None and s["ttft_repeated_image_ms"]["p50"] is not None
+
+
+@pytest.mark.slow
+def test_fuyu_throughput_with_baseline(tmp_path) -> None:
+    """A family without a vision tower (Fuyu's patch projection): both systems serve its prompts and the floors
+    count its projection as the vision work."""
+    from flashvlm.testing.tiny_checkpoints import build_fuyu
+
+    path = build_fuyu(tmp_path / "fuyu", seed=1)
+    doc = _run(["throughput", *SMALL, "--model", str(path), "--baseline", "transformers"], tmp_path / "out")
+    assert [r["label"] for r in doc["runs"]] == ["transformers", "flashvlm"]
+    for run in doc["runs"]:
+        assert run["summary"]["num_success"] == 3 and all(r["output_tokens"] == 4 for r in run["records"])
+    assert doc["runs"][1]["summary"]["floors"]["vision_flops"] > 0

@@ -147,3 +147,20 @@ def test_quantized_weight_bytes(method: str, expected_gb: float, tmp_path) -> No
     assert cost.lm_matmul_params == float_cost.lm_matmul_params
     assert cost.lm_weight_bytes / 1e9 == pytest.approx(expected_gb, rel=0.03)
     assert cost.lm_weight_bytes < float_cost.lm_weight_bytes
+
+
+@pytest.mark.slow
+def test_fuyu_8b_benchmark_folder_builds_the_real_size_model(tmp_path) -> None:
+    """`--benchmark-model fuyu-8b`: the folder passes the family's load checks, and the model built from it on
+    the meta device has Fuyu-8B's 9.41B parameters; its only vision work is the 2700 -> 4096 patch projection."""
+    from flashvlm.bench.model_configs import write_benchmark_model
+    from flashvlm.config import ModelConfig
+    from flashvlm.models.loader import read_checkpoint
+
+    checkpoint = read_checkpoint(ModelConfig(model=str(write_benchmark_model("fuyu-8b", tmp_path))))
+    with torch.device("meta"):
+        model = checkpoint.family.model_class()(checkpoint.hf_config)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 9.41
+    cost = model_cost(model)
+    assert cost.vit_matmul_params == 2700 * 4096 and cost.vit_depth == 0
+    assert (cost.num_layers, cost.num_heads, cost.head_dim) == (36, 64, 64)

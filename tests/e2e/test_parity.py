@@ -7,14 +7,17 @@ import pytest
 import torch
 
 from flashvlm import LLM, SamplingParams
-from flashvlm.testing.tiny_checkpoints import build_llava, build_llava_next, build_qwen2_vl, build_qwen3_vl
+from flashvlm.request import InvalidRequestError
+from flashvlm.testing.tiny_checkpoints import build_fuyu, build_llava, build_llava_next, build_qwen2_vl, build_qwen3_vl
 
 # "demo" is the shipped demo checkpoint (flashvlm/demo/checkpoint): trained weights, a Qwen2-VL architecture.
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "demo"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "demo", "fuyu"]
 PLACEHOLDER = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>\n",
                "llava_next": "<image>\n", "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-               "demo": "<|vision_start|><|image_pad|><|vision_end|>"}
+               "demo": "<|vision_start|><|image_pad|><|vision_end|>", "fuyu": "|SPEAKER|"}
+MAX_IMAGES = {"fuyu": 1}
+"""Families whose HF processor takes fewer images a prompt (FuyuProcessor: one); the engine refuses more."""
 MAX_TOKENS = 10
 
 
@@ -35,6 +38,11 @@ class Family:
         self.entry = resolve_family(self.config.architectures)
         """The family's registry entry: its transformers class and the image arguments that class takes."""
         self.hf = self.entry.baseline_model_class().from_pretrained(self.path, dtype=torch.float32).eval()
+        self.max_images = MAX_IMAGES.get(name, 16)
+
+    def images(self, n: int) -> int:
+        """n, or as many as the family's processor takes (its refusal of more has its own test)."""
+        return min(n, self.max_images)
 
     def prompt(self, text: str, n_images: int, sizes=((56, 112), (140, 84))) -> dict:
         images = [_image(*sizes[i % len(sizes)], seed=i + len(text)) for i in range(n_images)]
@@ -85,6 +93,8 @@ def family(request, tmp_path_factory) -> Family:
         build_llava_next(path, seed=3)
     elif request.param == "qwen3_vl":
         build_qwen3_vl(path, seed=3)
+    elif request.param == "fuyu":
+        build_fuyu(path, seed=3)
     else:
         build_qwen2_vl(path, qwen25=request.param == "qwen2_5_vl", seed=3)
     return Family(request.param, path)
@@ -113,13 +123,23 @@ def test_single_image(family: Family) -> None:
 
 
 def test_two_images_non_square(family: Family) -> None:
+    if family.max_images < 2:
+        with pytest.raises(InvalidRequestError, match="at most 1"):
+            _llm(family).generate([family.prompt("Compare them.", 2)], SamplingParams(max_tokens=2))
+        return
     _check(family, _llm(family), [family.prompt("Compare them.", 2, sizes=((56, 112), (140, 84)))])
 
 
 def test_aspects(family: Family) -> None:
     """Wide, tall and landscape pictures in one prompt: LLaVA-NeXT picks a different tile grid for each and drops
     different padding rows or columns; Qwen's grids differ."""
-    _check(family, _llm(family), [family.prompt("Which is widest?", 3, sizes=((250, 60), (60, 170), (200, 150)))])
+    sizes = ((250, 60), (60, 170), (200, 150))
+    _check(family, _llm(family), [family.prompt("Which is widest?", family.images(3), sizes=sizes)])
+
+
+def test_large_image_resized(family: Family) -> None:
+    """Larger than every tiny processor's target: Qwen shrinks it, LLaVA crops it, Fuyu fits it into its canvas."""
+    _check(family, _llm(family), [family.prompt("What is it?", 1, sizes=((300, 200),))])
 
 
 def test_text_only(family: Family) -> None:
@@ -128,13 +148,15 @@ def test_text_only(family: Family) -> None:
 
 def test_mixed_batch_of_eight(family: Family) -> None:
     texts = ["Hi.", "What colour is the shape?", "The quick brown fox jumps over the lazy dog. " * 3, "yes no"]
-    prompts = [family.prompt(texts[i % 4], n_images=i % 3, sizes=((56, 56), (84, 140), (112, 56)))
+    prompts = [family.prompt(texts[i % 4], n_images=family.images(i % 3), sizes=((56, 56), (84, 140), (112, 56)))
                for i in range(8)]
     _check(family, _llm(family), prompts)
 
 
 def test_chunked_prefill(family: Family) -> None:
-    prompts = [family.prompt("Describe both pictures in detail.", 2), family.prompt("Short.", 1)]
+    # Fuyu, one image a prompt: 140x84 is 18 tokens, more than a step's budget of 16.
+    first = family.prompt("Describe both pictures in detail.", family.images(2), sizes=((140, 84), (56, 112)))
+    prompts = [first, family.prompt("Short.", 1)]
     _check(family, _llm(family, max_num_batched_tokens=16), prompts)
 
 

@@ -37,6 +37,8 @@ from flashvlm.layers.norm import LayerNorm, RMSNorm, fused_add_rmsnorm  # noqa: 
 from flashvlm.layers.rotary import (  # noqa: E402
     MRotaryEmbedding,
     RotaryEmbedding,
+    apply_partial_rotary,
+    apply_partial_rotary_,
     apply_rotary,
     apply_rotary_qk_,
 )
@@ -229,6 +231,34 @@ def test_rotary_qk_fp32_math_matches_the_vision_rotary(device, dtype):
     assert torch.equal(v, ref_v)
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("tokens,heads,head_dim,rotary_dim,packed", [
+    (7, 4, 16, 8, False),    # the tiny Fuyu: half of each head rotates
+    (3, 64, 64, 32, False),  # Fuyu-8B / Persimmon-8B
+    (5, 3, 24, 12, True),    # a strided view of a packed projection (Persimmon without QK-norm)
+])
+def test_partial_rotary(device, dtype, tokens, heads, head_dim, rotary_dim, packed):
+    width = heads * head_dim
+    buf = torch.randn(tokens, 3 * width if packed else width, dtype=dtype, device=device) * 2
+    x = buf[:, width:2 * width] if packed else buf
+    cos, sin = RotaryEmbedding(rotary_dim, {"rope_theta": 25000.0}).to(device)(
+        torch.randint(0, 4000, (tokens,), device=device), dtype)
+    ref = apply_partial_rotary(x.reshape(tokens, heads, head_dim), cos, sin).reshape(tokens, -1)
+    untouched = buf.clone()
+    out = apply_partial_rotary_(x, cos, sin, heads, head_dim, force=True)
+    assert out.data_ptr() == x.data_ptr(), "the kernel path rotates in place"
+    frac = 0.0 if device == "cpu" and dtype != torch.float32 else 0.3
+    assert_matches(out, ref, max_mismatch_frac=frac)
+    passed = out.view(tokens, heads, head_dim)[..., rotary_dim:]
+    assert torch.equal(passed, untouched[:, width:2 * width].reshape(tokens, heads, head_dim)[..., rotary_dim:]
+                       if packed else untouched.view(tokens, heads, head_dim)[..., rotary_dim:])
+    if packed:
+        assert torch.equal(buf[:, :width], untouched[:, :width]) and torch.equal(buf[:, 2 * width:],
+                                                                              untouched[:, 2 * width:])
+    torch.testing.assert_close(apply_partial_rotary_(x.clone(), cos, sin, heads, head_dim, enabled=False),
+                               apply_partial_rotary(x.reshape(tokens, heads, head_dim), cos, sin).reshape(tokens, -1))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_rotary_qk_dispatch_and_bad_shapes(device):
     qkv = torch.randn(4, 6 * 16, device=device)
@@ -239,6 +269,8 @@ def test_rotary_qk_dispatch_and_bad_shapes(device):
         rotary_qk_inplace(qkv, cos[:3], sin[:3], 4, 16)
     with pytest.raises(ValueError, match="qk must be"):
         rotary_qk_inplace(qkv, cos, sin, 7, 16)
+    with pytest.raises(ValueError, match="rotated channels"):
+        rotary_qk_inplace(qkv, cos, sin, 4, 16, rotary_dim=18)
 
 
 # --- dispatch policy -------------------------------------------------------------------------------------------

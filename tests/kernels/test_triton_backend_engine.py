@@ -91,6 +91,39 @@ def test_fused_rotary_feeds_strided_queries_to_the_kernels(build, tmp_path, monk
     assert outs["triton"] == outs["torch"]
 
 
+def test_fuyu_on_the_triton_backend_with_the_partial_rotary_kernel(tmp_path, monkeypatch) -> None:
+    """Fuyu's Persimmon decoder (head dim 16, half of it rotating) on the Triton attention backend, its partial
+    rotary through the fused kernel (forced on for CPU tensors too), chunked prefill through its image: the
+    reference backend's torch path's greedy tokens."""
+    import flashvlm.layers.rotary as rotary_mod
+    from flashvlm.kernels import dispatch
+    from flashvlm.testing.tiny_checkpoints import build_fuyu
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = str(build_fuyu(tmp_path / "fuyu", seed=13))
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt": "Describe the picture.", "images": [rng.integers(0, 256, (84, 140, 3), np.uint8)]},
+               {"prompt": "A text-only question of a different length?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs, calls = {}, []
+    for backend in ("reference", "triton"):
+        if backend == "triton":
+            def on_cpu_too(x, enabled=None, force=False):
+                calls.append(enabled)
+                return enabled is not False and (x.is_cuda or dispatch.interpreter_active())
+
+            monkeypatch.setattr(rotary_mod, "use_triton", on_cpu_too)
+        llm = LLM(path, device=device, dtype="float32", kv_cache_tokens=1024, max_num_batched_tokens=24,
+                  attention_backend=backend, kernel_backend="torch", enforce_eager=True)
+        if backend == "triton":
+            for layer in llm.engine.runner.model.modules():
+                if hasattr(layer, "query_key_value"):
+                    layer.use_triton_kernels = True  # the rotary only; norms and GEMVs stay on torch
+        outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert calls and any(c is True for c in calls), "the partial rotary kernel never ran"
+    assert outs["triton"] == outs["reference"]
+
+
 @BUILDERS
 def test_step_graphs_serve_prefill_and_mixed_steps_with_the_same_tokens(build, tmp_path) -> None:
     """Prefill chunks, cached-prefix extends and mixed batches through the step graphs (padded to their bucket)

@@ -82,8 +82,9 @@ class TransformersBaseline:
         inputs: dict[str, Any] = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
         items = [it for p in prompts for it in p.mm_items]
         if items:
-            inputs.update(self.family.baseline_image_inputs(items, ids, mask, self.image_token_id, self.device))
-            inputs["pixel_values"] = inputs["pixel_values"].to(self.device, self.dtype)
+            image_inputs = self.family.baseline_image_inputs(items, ids, mask, self.image_token_id, self.device)
+            inputs.update({k: v.to(self.device, self.dtype) if v.is_floating_point() else v
+                           for k, v in image_inputs.items()})
         return inputs
 
     def _generate(self, inputs: dict[str, Any], max_tokens: int) -> _TokenClock:
