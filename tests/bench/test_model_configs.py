@@ -23,7 +23,10 @@ def test_benchmark_model_matches_transformers_shapes(name: str, tmp_path) -> Non
     assert checkpoint.family.architecture == CONFIGS[name][0]["architectures"][0]
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
     processor = checkpoint.family.image_processor(checkpoint.preprocessor_config)
-    assert processor.patch_size == checkpoint.hf_config.vision_config.patch_size
+    if hasattr(checkpoint.hf_config, "vision_config"):
+        assert processor.patch_size == checkpoint.hf_config.vision_config.patch_size
+    else:  # Fuyu: no vision tower, the processor's patches go straight into the decoder
+        assert processor.patch_hw == (checkpoint.hf_config.patch_size,) * 2
 
 
 @torch.inference_mode()
