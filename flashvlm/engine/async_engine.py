@@ -119,6 +119,8 @@ class AsyncEngine:
                 prompt = await self.process_prompt(prompt)
             params = sampling_params or self.engine.default_sampling_params()
             params.validate()
+            if params.structured_outputs is not None:  # compiled here, off the engine thread; the engine's is cached
+                await self.run_in_executor(self.engine.structured.check, params.structured_outputs)
             stream = OutputSlot(str(request_id) if request_id is not None else uuid.uuid4().hex,
                                 asyncio.get_running_loop())
             self._check_alive()

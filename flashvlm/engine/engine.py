@@ -37,6 +37,7 @@ from flashvlm.request import (
 from flashvlm.runner.kv_scales import checkpoint_kv_scheme
 from flashvlm.runner.memory_planner import PIXEL_CACHE_BYTES
 from flashvlm.runner.model_runner import ModelRunner, StepTimings
+from flashvlm.structured.manager import REJECTED_STOP_REASON, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +83,11 @@ class Engine:
                                               pixel_cache_bytes=PIXEL_CACHE_BYTES if caching else 0,
                                               preprocess_device=config.device if config.preprocess_on_gpu else None,
                                               pruning=(mc.mm_token_pruning, mc.mm_token_keep_ratio))
+        self.eos_token_ids = self.checkpoint.eos_token_ids()
+        self.structured = StructuredOutputs(self.checkpoint.tokenizer, text_cfg.vocab_size, self.eos_token_ids)
+        """Constrained requests' grammar matchers (structured outputs): added here, advanced after each update."""
         self.runner = ModelRunner(config, self.model, self.dtype, max_model_len=max_len,
-                                  attention_backend=attention_backend)
+                                  attention_backend=attention_backend, structured=self.structured)
         kv_scale_source = self.runner.set_kv_scales(kv_scheme)
         num_blocks = self.runner.determine_num_blocks(
             lambda: self.input_processor.profile_items(config.scheduler.max_num_batched_tokens))
@@ -100,7 +104,6 @@ class Engine:
                                    EncoderCacheManager(cache.encoder_cache_tokens),
                                    max_model_len=max_len, lookahead_slots=self.limits.lookahead_slots)
         self.tokenizer = self.checkpoint.tokenizer
-        self.eos_token_ids = self.checkpoint.eos_token_ids()
         self._tracked: dict[str, _Tracked] = {}
         self.step_log: list[StepRecord] | None = None
         """Set to a list to record every step (benchmarks); None costs nothing."""
@@ -145,6 +148,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        self.structured.check(params.structured_outputs)
         if not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
@@ -164,6 +168,7 @@ class Engine:
             raise InvalidRequestError(f"prompt of {n} tokens needs more KV cache than the engine has "
                                       f"({self.limits.num_kv_blocks - 1} blocks of {self.config.cache.block_size})")
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens, params.stop)
+        self.structured.add(req)
         self._tracked[request_id] = _Tracked(req, detok, [] if params.logprobs is not None else None)
         self._image_tokens[0] += sum(it.encoder_tokens for it in req.mm_items)
         self._image_tokens[1] += sum(it.num_tokens for it in req.mm_items)
@@ -241,6 +246,8 @@ class Engine:
             new_tokens = len(req.output_token_ids) - len(tracked.detokenizer.token_ids)
             if tracked.logprobs is not None and new_tokens > 0:
                 tracked.logprobs.append(logprobs[req.request_id])  # a step gives a request one token
+            if new_tokens > 0 and not req.is_finished:
+                self._advance_grammar(req)
             if new_tokens > 0:
                 t_detok = time.perf_counter()
                 tracked.detokenizer.append(req.output_token_ids[-new_tokens:])
@@ -255,6 +262,15 @@ class Engine:
         if self.step_log is not None and not out.is_empty:
             self.step_log.append(self._step_record(out, timings, t0, t_scheduled, t_update))
         return outputs
+
+    def _advance_grammar(self, req: Request) -> None:
+        """Accept a constrained request's new tokens into its matcher; end it when its grammar has ended (the stop
+        token accepted: only reachable with ignore_eos) or refused the token."""
+        if not self.structured.advance(req):
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED,
+                                          stop_reason=REJECTED_STOP_REASON)
+        elif self.structured.ended(req):
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _step_record(self, out: SchedulerOutput, timings: StepTimings, t0: float, t_scheduled: float,
                      t_update: float) -> StepRecord:
@@ -335,6 +351,7 @@ class Engine:
             self.scheduler.report_stop_string(req, stop)
         self.scheduler.add_stage_times(req, detokenize_s=time.perf_counter() - t0)
         self._tracked.pop(req.request_id, None)
+        self.structured.drop(req.request_id)
         self.runner.forget_request(req.request_id)
         output = self._make_output(tracked)
         output.stages = req.stage_times()
