@@ -3,7 +3,7 @@ log-probabilities in logprobs.py), and the mapping from a request to `SamplingPa
 
 Unknown request fields are accepted and ignored (the OpenAI client sends fields we have no use for, such as
 `store` or `metadata`); fields we recognise but cannot honour (`n` > 1, non-zero presence or frequency
-penalties, `tools`, `logit_bias`, JSON `response_format`, `echo`, `suffix`) are refused with 400
+penalties, `tools`, `logit_bias`, `echo`, `suffix`) are refused with 400
 rather than silently ignored, so a client never gets an answer computed differently from what it asked for.
 """
 
@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 from flashvlm.request import MAX_LOGPROBS, SamplingParams
 from flashvlm.server.errors import APIError, ErrorInfo, ErrorResponse, bad_request  # noqa: F401 (re-exported)
 from flashvlm.server.logprobs import ChatLogprobs, CompletionLogprobs, check_num_logprobs
+from flashvlm.server.structured_fields import StructuredOutputFields
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # The detokenizer searches every stop string after every token, so a request's stop strings cost the whole batch;
@@ -80,12 +81,7 @@ class StreamOptions(_NullMeansDefault):
     continuous_usage_stats: bool = Field(False, description="accepted and ignored")
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str = "text"
-
-
-class _SamplingFields(_Request):
+class _SamplingFields(_Request, StructuredOutputFields):
     """Fields shared by both endpoints; names and meanings as OpenAI's and vLLM's."""
 
     model: str | None = Field(None, description="must be one of the served model names (default: the first)")
@@ -117,6 +113,7 @@ class _SamplingFields(_Request):
     sla_tier: str | None = Field(None, description="SLA tier name (or the x-sla-tier header)")
 
     def common_checks(self) -> None:
+        self.structured_spec()  # its shape, before any image is decoded (the engine compiles it later)
         if self.n != 1:
             raise bad_request(f"n={self.n} is not supported; only n=1", "n")
         if self.presence_penalty != 0.0:
@@ -147,7 +144,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = Field(False, description="return each output token's log-probability (raw logits)")
     top_logprobs: int | None = Field(None, description=f"0..{MAX_LOGPROBS} most likely tokens per position; "
                                                        "needs logprobs: true")
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = Field(None, description="not supported")
     tool_choice: Any = None
     mm_processor_kwargs: dict[str, Any] | None = Field(
@@ -161,9 +157,6 @@ class ChatCompletionRequest(_SamplingFields):
         check_num_logprobs(self.top_logprobs, "top_logprobs")
         if self.tools:
             raise bad_request("tools (function calling) are not supported", "tools")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request(f"response_format {self.response_format.type!r} is not supported; only 'text'",
-                              "response_format")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -265,7 +258,7 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, defaults:
                        param="max_tokens", code="context_length_exceeded")
     fields: dict[str, Any] = {"max_tokens": max_tokens, "min_tokens": req.min_tokens, "ignore_eos": req.ignore_eos,
                               "skip_special_tokens": req.skip_special_tokens, "seed": req.seed,
-                              "logprobs": req.requested_logprobs()}
+                              "logprobs": req.requested_logprobs(), "structured_outputs": req.structured_spec()}
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
         if value is not None:

@@ -118,7 +118,8 @@ class GrammarEngine:
         kind = spec.kind
         try:
             if kind == "json":
-                return compiler.compile_json_schema(spec.schema_text(), any_whitespace=False, strict_mode=True)
+                schema = json.dumps(bounded_strings(json.loads(spec.schema_text())))
+                return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
             if kind == "json_object":
                 return compiler.compile_json_schema(ANY_OBJECT, any_whitespace=False, strict_mode=False)
             if kind == "regex":
@@ -135,6 +136,33 @@ class GrammarEngine:
         import xgrammar as xgr
 
         return Matcher(xgr.GrammarMatcher(self.compile(spec)), self.stop_token_ids)
+
+
+_UNESCAPED_CHARS = r'^[^"\\\x00-\x1f]'
+"""A regex (as JSON schema patterns spell it) for one character a JSON string holds without an escape."""
+_DATA_KEYS = frozenset({"const", "enum", "default", "examples"})
+"""Schema keywords whose values are JSON data, not subschemas: left as they are."""
+
+
+def bounded_strings(schema: Any) -> Any:
+    """`schema` with every string bounded by minLength / maxLength (and no pattern or format) given as the
+    equivalent pattern over unescaped characters. xgrammar 0.2.9 builds such counted strings from any character but
+    quote, backslash and line breaks, raw control characters included (invalid JSON); its pattern strings exclude
+    them. The pattern leaves out escapes, so it allows a subset of the schema's strings: every output still
+    validates."""
+    if isinstance(schema, list):
+        return [bounded_strings(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _DATA_KEYS else bounded_strings(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and "pattern" not in out and "format" not in out:
+        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+        if isinstance(low, int) and isinstance(high, (int, str)):
+            out["pattern"] = _UNESCAPED_CHARS + f"{{{low},{high}}}$"
+        else:  # a malformed bound: xgrammar names it
+            out["minLength"], out["maxLength"] = low, high
+    return out
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:

@@ -92,7 +92,7 @@ CASES: list[tuple[str, str, Any, int, str]] = [
      "logprobs must be"),
     ("presence-penalty", CHAT, _chat(presence_penalty=0.5), 400, "presence_penalty"),
     ("tools", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-    ("json-response-format", CHAT, _chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("unknown-response-format", CHAT, _chat(response_format={"type": "xml"}), 400, "response_format"),
     ("request-id-with-newline", CHAT, _chat(request_id="a\r\nx-evil: 1"), 400, "request_id"),
     ("unknown-model", CHAT, _chat(model="gpt-5"), 404, "does not exist"),
     ("unknown-sla-tier", CHAT, _chat(sla_tier="platinum"), 400, "platinum"),
