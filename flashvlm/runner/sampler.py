@@ -125,13 +125,20 @@ class Sampler:
         return greedy.index_copy(0, index, sampled)
 
     def apply_penalties(self, logits: torch.Tensor, rows: SamplerInputs) -> torch.Tensor:
-        """The float32 logits that greedy decoding takes the argmax of: repetition penalty applied, stop tokens
-        banned below ``min_tokens``, and a constrained row's disallowed tokens at -inf. Never writes into
-        ``logits`` (may return it as is)."""
+        """The float32 logits that greedy decoding takes the argmax of: repetition penalty applied, a constrained
+        row's disallowed tokens at -inf, and stop tokens banned below ``min_tokens`` (unless they are all its
+        constraint allows). Never writes into ``logits`` (may return it as is)."""
         logits = logits.float()
         logits = self._apply_repetition_penalty(logits, rows.params, rows.prev_token_ids)
-        logits = self._mask_stop_tokens(logits, rows.params, rows.num_output_tokens, rows.eos_token_ids)
-        return logits if rows.token_mask is None else apply_token_mask(logits, rows.token_mask)
+        if rows.token_mask is None:
+            return self._mask_stop_tokens(logits, rows.params, rows.num_output_tokens, rows.eos_token_ids)
+        logits = apply_token_mask(logits, rows.token_mask)
+        banned = self._mask_stop_tokens(logits, rows.params, rows.num_output_tokens, rows.eos_token_ids)
+        if banned is logits:
+            return logits
+        # A complete constraint allows only its stop tokens: min_tokens then yields to it rather than leave the
+        # row no token at all (decided on the device, without a sync).
+        return torch.where(torch.isfinite(banned).any(dim=-1, keepdim=True), banned, logits)
 
     # --- logits processors --------------------------------------------------------------------
     # A processor added here must also be ruled out by `is_plain_argmax`.

@@ -13,6 +13,11 @@ from dataclasses import dataclass
 import torch
 
 
+def words_per_row(vocab_size: int) -> int:
+    """int32 words of one bitmask row."""
+    return (vocab_size + 31) // 32
+
+
 @dataclass
 class TokenMask:
     """The step's allowed tokens for its constrained rows, one bitmask row each."""
@@ -24,9 +29,13 @@ class TokenMask:
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(R, W) int32 words -> (R, vocab_size) bool; tokens past the words' 32 * W bits are disallowed."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(bitmask.shape[0], -1)
+    """(R, W) int32 words -> (R, vocab_size) bool; tokens past the words' 32 * W bits are disallowed.
+
+    Unpacked byte by byte (token t is bit t % 8 of byte t // 8 of the little-endian words), so the temporaries are
+    one byte per token, not an int32 per token."""
+    data = bitmask.contiguous().view(torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    bits = ((data.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1).bool()
     if bits.shape[1] >= vocab_size:
         return bits[:, :vocab_size]
     return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)

@@ -33,11 +33,6 @@ ANY_OBJECT = '{"type": "object"}'
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
-def words_per_row(vocab_size: int) -> int:
-    """int32 words of one bitmask row."""
-    return (vocab_size + 31) // 32
-
-
 class Matcher:
     """One request's grammar state: the tokens accepted so far and the set allowed next."""
 

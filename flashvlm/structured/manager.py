@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from flashvlm.request import Request
-from flashvlm.runner.token_mask import TokenMask
-from flashvlm.structured.grammar import GrammarEngine, Matcher, words_per_row
+from flashvlm.runner.token_mask import TokenMask, words_per_row
+from flashvlm.structured.grammar import GrammarEngine, Matcher
 from flashvlm.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)

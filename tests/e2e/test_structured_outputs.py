@@ -147,3 +147,15 @@ def test_a_bad_constraint_is_refused_before_anything_runs(llm: LLM, constraint: 
         llm.generate(["a", "b"], [good, SamplingParams(max_tokens=4, structured_outputs=constraint)])
     assert not llm.engine.has_unfinished_requests()
     assert len(llm.generate(["a"], good)[0].token_ids) >= 1
+
+
+def test_a_complete_constraint_wins_over_min_tokens(llm: LLM) -> None:
+    # The choice is complete after its tokens and only EOS may follow, which min_tokens would ban: the constraint
+    # wins (the request ends with its complete output) instead of leaving the row no token at all.
+    [short, fine] = llm.generate(["Hi", "Hi"], [
+        SamplingParams(temperature=0.0, max_tokens=30, min_tokens=25, structured_outputs=Constraint(choice=["ok"])),
+        SamplingParams(temperature=0.7, seed=1, max_tokens=30, min_tokens=25,
+                       structured_outputs=Constraint(regex="[a-z]{26,28}"))])
+    assert short.text == "ok" and short.finish_reason == "stop" and short.token_ids[-1] in llm.engine.eos_token_ids
+    assert re.fullmatch("[a-z]{26,28}", fine.text) and fine.finish_reason == "stop"
+    assert len(llm.engine.structured) == 0

@@ -152,6 +152,11 @@ def test_sampler_applies_the_mask_after_penalties() -> None:
     allow_2_3 = torch.tensor([[0b1100]], dtype=torch.int32)
     rows = SamplerInputs(params, [(), (3,)], [0, 0], [(), ()], [None, None], TokenMask([1], allow_2_3))
     assert Sampler()(logits, rows).tolist() == [1, 2]  # row 1: token 3's logit halved by the penalty, 2 wins
+    # min_tokens bans EOS (token 0) on both rows; row 1's constraint allows only EOS, so the constraint wins there.
+    banned = [SamplingParams(temperature=0.0, min_tokens=3)] * 2
+    only_eos = TokenMask([1], torch.tensor([[0b1]], dtype=torch.int32))
+    rows = SamplerInputs(banned, [(), ()], [0, 0], [(0,), (0,)], [None, None], only_eos)
+    assert Sampler()(torch.tensor([[9.0, 1.0, 0.0, 0.0], [9.0, 1.0, 0.0, 0.0]]), rows).tolist() == [1, 0]
     assert not Sampler.is_plain_argmax(SamplingParams(temperature=0.0, structured_outputs={"regex": "a"}), 0)
 
 
