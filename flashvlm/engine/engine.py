@@ -238,6 +238,8 @@ class Engine:
                 self.scheduler.add_stage_times(by_id[rid], vision_s=timings.vision_s)
         t_update = time.perf_counter() if self.step_log is not None else t0
         changed = self.scheduler.update(out, sampled)
+        if len(self.structured):
+            self._advance_grammars(changed)
         outputs = []
         for req in changed:
             tracked = self._tracked.get(req.request_id)
@@ -246,8 +248,6 @@ class Engine:
             new_tokens = len(req.output_token_ids) - len(tracked.detokenizer.token_ids)
             if tracked.logprobs is not None and new_tokens > 0:
                 tracked.logprobs.append(logprobs[req.request_id])  # a step gives a request one token
-            if new_tokens > 0 and not req.is_finished:
-                self._advance_grammar(req)
             if new_tokens > 0:
                 t_detok = time.perf_counter()
                 tracked.detokenizer.append(req.output_token_ids[-new_tokens:])
@@ -263,14 +263,14 @@ class Engine:
             self.step_log.append(self._step_record(out, timings, t0, t_scheduled, t_update))
         return outputs
 
-    def _advance_grammar(self, req: Request) -> None:
-        """Accept a constrained request's new tokens into its matcher; end it when its grammar has ended (the stop
-        token accepted: only reachable with ignore_eos) or refused the token."""
-        if not self.structured.advance(req):
-            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED,
-                                          stop_reason=REJECTED_STOP_REASON)
-        elif self.structured.ended(req):
-            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+    def _advance_grammars(self, changed: list[Request]) -> None:
+        """Accept the constrained requests' new tokens into their matchers; end a request whose grammar has ended
+        (its stop token accepted: only reachable with ignore_eos or below min_tokens) or refused the token."""
+        refused, ended = self.structured.advance([r for r in changed if not r.is_finished])
+        for rid in refused:
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED, stop_reason=REJECTED_STOP_REASON)
+        for rid in ended:
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
 
     def _step_record(self, out: SchedulerOutput, timings: StepTimings, t0: float, t_scheduled: float,
                      t_update: float) -> StepRecord:

@@ -1,5 +1,5 @@
 """Structured outputs' token masks on the logits: one bitmask for the step's constrained rows, applied on the
-device with torch ops, after the other logits processors and before greedy or random sampling.
+device with torch ops, after the repetition penalty and before the min_tokens ban, temperature and sampling.
 
 The bitmask crosses to the device once per step (ceil(vocab / 32) int32 words per constrained row: 19 KB for a
 150k vocabulary), is unpacked there to booleans and sets every disallowed logit of those rows to -inf; the other

@@ -10,8 +10,10 @@ it a constrained request is refused with an InvalidRequestError (a 400) naming t
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,6 +25,8 @@ COMPILE_CACHE_BYTES = 256 << 20
 """xgrammar's cache of compiled grammars (a schema's grammar on a 150k vocabulary is a few MB)."""
 COMPILE_THREADS = 2
 """Threads one compile may use; compiles run in the preprocessing threads, never on the engine's."""
+FILL_THREADS = max(1, min(4, os.cpu_count() or 1))
+"""Threads that fill one step's bitmask rows (xgrammar's batch matcher), on the engine thread's behalf."""
 MISSING = ("structured outputs need the xgrammar package, which is not installed: pip install 'flashvlm[structured]'")
 
 ANY_OBJECT = '{"type": "object"}'
@@ -38,6 +42,7 @@ class Matcher:
 
     def __init__(self, matcher: Any, stop_token_ids: tuple[int, ...]) -> None:
         self._m = matcher
+        """xgrammar's GrammarMatcher (the batch calls of GrammarEngine take it)."""
         self.stop_token_ids = stop_token_ids
         self.num_accepted = 0
         """Tokens accepted since the last reset (the stop token included)."""
@@ -83,6 +88,7 @@ class GrammarEngine:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
         self._compiler: Any = None
+        self._batch: Any = None
         self._lock = threading.Lock()
 
     @staticmethod
@@ -131,6 +137,26 @@ class GrammarEngine:
         import xgrammar as xgr
 
         return Matcher(xgr.GrammarMatcher(self.compile(spec)), self.stop_token_ids)
+
+    # One C++ call per step for every row, not one Python call per row: at batch 32 the per-row calls cost more
+    # than the grammar work itself.
+    def accept_batch(self, matchers: Sequence[Matcher], tokens: Sequence[int]) -> list[bool]:
+        """Matcher.accept of one token each, for matchers that have not terminated."""
+        import xgrammar as xgr
+
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token([m._m for m in matchers], list(tokens))
+        for m, ok in zip(matchers, accepted):
+            m.num_accepted += bool(ok)
+        return [bool(ok) for ok in accepted]
+
+    def fill_batch(self, matchers: Sequence[Matcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        """Matcher.fill of bitmask[rows[k]] for each matchers[k] (none terminated)."""
+        with self._lock:
+            if self._batch is None:
+                import xgrammar as xgr
+
+                self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
+        self._batch.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, list(rows))
 
 
 _UNESCAPED_CHARS = r'^[^"\\\x00-\x1f]'

@@ -50,25 +50,33 @@ class StructuredOutputs:
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
-    def advance(self, req: Request) -> bool:
-        """Accept the request's output tokens its matcher has not seen; False if the grammar refused one (the
-        caller ends the request). True for an unconstrained request."""
-        m = self._matchers.get(req.request_id)
-        if m is None:
-            return True
-        tokens = req.output_token_ids
-        if m.num_accepted > len(tokens):
-            m.reset()
-        for t in tokens[m.num_accepted:]:
-            if not m.accept(t):
-                logger.warning("request %s: token %d is outside its grammar; ending it", req.request_id, t)
-                return False
-        return True
-
-    def ended(self, req: Request) -> bool:
-        """Whether a constrained request's grammar has ended (its stop token accepted)."""
-        m = self._matchers.get(req.request_id)
-        return m is not None and m.is_terminated()
+    def advance(self, requests: Sequence[Request]) -> tuple[list[str], list[str]]:
+        """Accept each constrained request's output tokens its matcher has not seen. Returns the ids of those whose
+        grammar refused a token, and of those whose grammar has ended (its stop token accepted); the caller ends
+        both. Unconstrained requests are skipped."""
+        refused: list[str] = []
+        one: list[tuple[Request, Matcher]] = []  # the usual case: one new token, accepted in one batch call
+        for req in requests:
+            m = self._matchers.get(req.request_id)
+            if m is None:
+                continue
+            tokens = req.output_token_ids
+            if m.num_accepted > len(tokens):
+                m.reset()
+            pending = tokens[m.num_accepted:]
+            if len(pending) == 1 and not m.is_terminated():
+                one.append((req, m))
+            elif not all(m.accept(t) for t in pending):
+                refused.append(req.request_id)
+        if one:
+            accepted = self.grammar.accept_batch([m for _, m in one], [r.output_token_ids[-1] for r, _ in one])
+            refused += [r.request_id for (r, _), ok in zip(one, accepted) if not ok]
+        for rid in refused:
+            logger.warning("request %s: a token outside its grammar; ending it", rid)
+        ended = [r.request_id for r in requests
+                 if r.request_id in self._matchers and r.request_id not in refused
+                 and self._matchers[r.request_id].is_terminated()]
+        return refused, ended
 
     def bitmask(self, requests: Sequence[Request]) -> TokenMask | None:
         """The allowed next tokens of the constrained ones among `requests` (the step's sampled rows, in order);
@@ -76,9 +84,20 @@ class StructuredOutputs:
         rows = [i for i, r in enumerate(requests) if r.request_id in self._matchers]
         if not rows:
             return None
+        behind = [requests[i] for i in rows
+                  if self._matchers[requests[i].request_id].num_accepted != len(requests[i].output_token_ids)]
+        if behind:  # tokens that reached a request without the engine's advance (not expected): catch up
+            self.advance(behind)
         bitmask = torch.full((len(rows), words_per_row(self.vocab_size)), -1, dtype=torch.int32)
+        live: list[Matcher] = []
+        live_rows: list[int] = []
         for j, i in enumerate(rows):
-            req = requests[i]
-            self.advance(req)  # a no-op unless a token reached the request without the engine's update
-            self._matchers[req.request_id].fill(bitmask, j)
+            m = self._matchers[requests[i].request_id]
+            if m.is_terminated():
+                m.fill(bitmask, j)
+            else:
+                live.append(m)
+                live_rows.append(j)
+        if live:
+            self.grammar.fill_batch(live, bitmask, live_rows)
         return TokenMask(rows, bitmask)

@@ -86,18 +86,7 @@ class StructuredOutputsParams:
                 raise bad("choice must be a list of non-empty strings")
 
     def schema_text(self) -> str:
-        """The JSON schema as canonical JSON text (the compile cache's key)."""
+        """The JSON schema as JSON text, keys in their given order: the output's properties follow it."""
         if isinstance(self.json, str):
-            return json.dumps(json.loads(self.json), sort_keys=True)
-        return json.dumps(self.json, sort_keys=True)
-
-    def key(self) -> tuple[str, str]:
-        """What the constraint compiles to, as a hashable key."""
-        kind = self.kind
-        if kind == "json":
-            return kind, self.schema_text()
-        if kind == "choice":
-            return kind, json.dumps(self.choice)
-        if kind == "json_object":
-            return kind, ""
-        return kind, getattr(self, kind)
+            return json.dumps(json.loads(self.json))
+        return json.dumps(self.json)

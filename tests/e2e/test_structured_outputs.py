@@ -159,3 +159,11 @@ def test_a_complete_constraint_wins_over_min_tokens(llm: LLM) -> None:
     assert short.text == "ok" and short.finish_reason == "stop" and short.token_ids[-1] in llm.engine.eos_token_ids
     assert re.fullmatch("[a-z]{26,28}", fine.text) and fine.finish_reason == "stop"
     assert len(llm.engine.structured) == 0
+
+
+def test_properties_come_in_the_schemas_order(llm: LLM) -> None:
+    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "alpha": {"enum": [1, 2]}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    [out] = llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=40,
+                                                structured_outputs=Constraint(json=schema)))
+    assert list(json.loads(out.text)) == ["zeta", "alpha"]

@@ -46,7 +46,7 @@ def _request(rid: str, spec: Constraint | None, eos: int) -> Request:
 def test_params_shape_checks() -> None:
     assert Constraint(choice=["a", "b"]).choice == ("a", "b")
     assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs == Constraint(regex="a+")
-    assert Constraint(json='{"b": 1, "a": 2}').key() == Constraint(json={"a": 2, "b": 1}).key()
+    assert Constraint(json='{"b": 1,  "a": 2}').schema_text() == '{"b": 1, "a": 2}'  # order is meaning: kept
     for bad, words in [({}, "exactly one"), ({"regex": "a", "json_object": True}, "exactly one"),
                        ({"choice": ["a", ""]}, "non-empty"), ({"json": "[1"}, "not valid JSON"),
                        ({"json": "3"}, "must be an object"), ({"grammar": 5}, "non-empty string")]:
@@ -91,10 +91,10 @@ def test_matcher_walks_a_choice_then_allows_only_eos(tokenizer, manager: Structu
         mask = manager.bitmask([req])
         assert mask.rows == [0] and token in _allowed(mask.bitmask)
         req.output_token_ids.append(token)
-        assert manager.advance(req)
+        assert manager.advance([req]) == ([], [])
     assert _allowed(manager.bitmask([req]).bitmask) == {eos}
     req.output_token_ids.append(eos)
-    assert manager.advance(req) and manager.ended(req)
+    assert manager.advance([req]) == ([], ["r"])
     assert _allowed(manager.bitmask([req]).bitmask) == {eos}  # padding after the end: stop tokens only
     manager.drop("r")
     assert len(manager) == 0
@@ -104,15 +104,23 @@ def test_advance_accepts_each_token_once_and_replays_when_behind(tokenizer, mana
     req = _request("a", Constraint(regex="abcabc"), tokenizer.eos_token_id)
     manager.add(req)
     ids = tokenizer.encode("abc", add_special_tokens=False)
+    other = _request("b", Constraint(regex="abcabc"), tokenizer.eos_token_id)
+    manager.add(other)
     req.output_token_ids.extend(ids)
-    assert manager.advance(req) and manager.advance(req)  # the second call accepts nothing again
+    other.output_token_ids.append(ids[0])  # one new token: the batched accept
+    assert manager.advance([req, other]) == ([], []) and manager.advance([req, other]) == ([], [])
     matcher = manager._matchers["a"]
-    assert matcher.num_accepted == len(ids)
+    assert matcher.num_accepted == len(ids) and manager._matchers["b"].num_accepted == 1
     del req.output_token_ids[1:]  # fewer tokens than accepted: the matcher is rebuilt from the request's tokens
-    assert manager.advance(req) and matcher.num_accepted == 1
-    req.output_token_ids.append(tokenizer.encode("z", add_special_tokens=False)[0])
-    assert not manager.advance(req)  # outside the grammar
+    assert manager.advance([req]) == ([], []) and matcher.num_accepted == 1
+    z = tokenizer.encode("z", add_special_tokens=False)[0]
+    req.output_token_ids.append(z)
+    other.output_token_ids.append(z)
+    assert manager.advance([req, other]) == (["a", "b"], [])  # outside the grammar, either path
+    other.output_token_ids[1:] = [ids[1]]
+    assert manager.bitmask([other]) is not None and manager._matchers["b"].num_accepted == 2  # caught up
     manager.drop("a")
+    manager.drop("b")
 
 
 def test_bitmask_covers_only_constrained_rows(tokenizer, manager: StructuredOutputs) -> None:
