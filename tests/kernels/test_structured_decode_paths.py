@@ -19,7 +19,7 @@ pytest.importorskip("xgrammar")
 from flashvlm import LLM, SamplingParams  # noqa: E402
 from flashvlm.structured.params import StructuredOutputsParams  # noqa: E402
 from flashvlm.testing.tiny_checkpoints import build_qwen2_vl  # noqa: E402
-from tests.kernels.test_logprobs_decode_paths import IMG, OPTS, _graphs_and_lookahead_on_cpu  # noqa: E402
+from tests.kernels.test_logprobs_decode_paths import IMG, OPTS, generate_beside_lookahead  # noqa: E402
 
 pytestmark = pytest.mark.slow  # engine runs through the Triton interpreter on CPU
 
@@ -35,18 +35,7 @@ def test_constrained_rows_take_the_decode_graph_and_the_others_keep_their_tokens
     params = [constrained, plain, constrained]
     expected = LLM(path, enforce_eager=True, **OPTS).generate(prompts, params)
 
-    llm = LLM(path, **OPTS)
-    _graphs_and_lookahead_on_cpu(llm)
-    pipeline = llm.engine.runner.pipeline
-    launched: list[list[str]] = []
-    launch = pipeline._launch
-
-    def recording_launch(batch, input_ids):
-        launched.append(list(batch.sample_request_ids))
-        return launch(batch, input_ids)
-
-    pipeline._launch = recording_launch
-    outs = llm.generate(prompts, params)
+    outs, launched, pipeline = generate_beside_lookahead(path, prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
     assert re.fullmatch("[a-z]{4}", outs[0].text) and re.fullmatch("[a-z]{4}", outs[2].text)
     constrained_ids = {outs[0].request_id, outs[2].request_id}

@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,6 +17,7 @@ import pytest
 
 from flashvlm.testing.random_schemas import random_schemas
 from tests.server.conftest import MODEL, LiveServer, data_uri, image_message, png_bytes
+from tests.server.test_shutdown import _serve
 
 pytest.importorskip("xgrammar")
 
@@ -115,36 +112,16 @@ def test_a_bad_constraint_is_a_400_naming_it(live: LiveServer, fields: dict, par
     live.wait_idle()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_100_random_schemas_with_an_image_through_flashvlm_serve(tiny_ckpt: Any) -> None:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "flashvlm.cli", "serve", "--model", str(tiny_ckpt), "--port", str(port),
-           "--device", "cpu", "--max-model-len", "1024", "--kv-cache-tokens", "16384", "--served-model-name", "srv",
-           "--disable-log-requests"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc, base = _serve(tiny_ckpt, "--max-model-len", "1024", "--kv-cache-tokens", "16384")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "flashvlm serve did not come up"
-            time.sleep(0.1)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
         schemas = random_schemas(100, seed=21)
 
         def ask(k: int) -> tuple[dict, Any]:
             out = client.chat.completions.create(
-                model="srv", messages=image_message(f"Fill in form {k}", data_uri(png_bytes(seed=k))),
+                model="m", messages=image_message(f"Fill in form {k}", data_uri(png_bytes(seed=k))),
                 max_tokens=600, temperature=0.0 if k % 2 else 1.0, seed=k,
                 response_format={"type": "json_schema",
                                  "json_schema": {"name": f"form{k}", "schema": schemas[k], "strict": True}})
