@@ -216,7 +216,8 @@ _completion_base = st.fixed_dictionaries({"model": st.just(MODEL), "max_tokens":
                                           "prompt": st.text(max_size=40) | st.lists(st.integers(-5, 600), max_size=5)},
                                          optional=_valid_options)
 _field_names = sorted({*_valid_options, "model", "messages", "prompt", "max_completion_tokens", "logprobs",
-                       "presence_penalty", "frequency_penalty", "mm_processor_kwargs", "request_id", "response_format"})
+                       "presence_penalty", "frequency_penalty", "mm_processor_kwargs", "request_id", "response_format",
+                       "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"})
 
 
 def _with_junk(base: st.SearchStrategy) -> st.SearchStrategy:

@@ -65,11 +65,14 @@ def test_openai_client_response_formats(live: LiveServer) -> None:
     ({"structured_outputs": {"choice": ["alpha", "beta"]}}, lambda t: t in ("alpha", "beta")),
     ({"structured_outputs": {"json": SCHEMA}}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
     ({"structured_outputs": {"grammar": 'root ::= "x" [0-9] [0-9]?'}}, lambda t: re.fullmatch("x[0-9]{1,2}", t)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}},
+     lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
     ({"guided_json": json.dumps(SCHEMA)}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
     ({"guided_regex": "(ab|cd){1,3}!"}, lambda t: re.fullmatch("(ab|cd){1,3}!", t)),
     ({"guided_choice": ["one", "two"]}, lambda t: t in ("one", "two")),
     ({"guided_grammar": 'root ::= "[" [01] [01]? "]"'}, lambda t: re.fullmatch(r"\[[01]{1,2}\]", t)),
-], ids=["regex", "choice", "json", "grammar", "guided_json", "guided_regex", "guided_choice", "guided_grammar"])
+], ids=["regex", "choice", "json", "grammar", "response_format_json_schema", "guided_json",
+        "guided_regex", "guided_choice", "guided_grammar"])
 def test_vllm_fields_on_chat_and_completions(live: LiveServer, fields: dict, check: Any) -> None:
     assert check(_content(_post(live, CHAT, _chat(**fields))))
     body = {"model": MODEL, "prompt": "Ticket:", "max_tokens": 150, "temperature": 0.8, "seed": 5, **fields}
