@@ -33,6 +33,15 @@ ANY_OBJECT = '{"type": "object"}'
 """json_object's schema. JSON outputs take no free whitespace (xgrammar's any_whitespace off, separators ", " and
 ": "): otherwise a weak model can pad with spaces until max_tokens, and a schema-valid value is still a prefix away."""
 
+COUNTED_CHAR = r'[^\"\\\r\n]'
+"""How xgrammar 0.2.9 writes one character of a string with minLength / maxLength in its EBNF: anything but quote,
+backslash and line breaks, raw control characters included, which is not JSON. The engine compiles such a
+schema's grammar text with JSON_STRING_CHAR in its place (same compile time; a pattern of as many characters
+instead would compile 10 to 400 times slower). Should a later xgrammar write it otherwise, the text no longer
+holds it and the schema compiles as it is (tests/unit/test_structured_engine.py then fails)."""
+JSON_STRING_CHAR = r'[^\"\\\0-\x1f]'
+"""One unescaped character of a JSON string (counted strings hold no escapes, as in xgrammar's own)."""
+
 # xgrammar's messages start with "[time] /path/file.cc:line: "; the rest names the problem.
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
@@ -119,8 +128,7 @@ class GrammarEngine:
         kind = spec.kind
         try:
             if kind == "json":
-                schema = json.dumps(bounded_strings(json.loads(spec.schema_text())))
-                return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
+                return self._compile_schema(compiler, spec.schema_text())
             if kind == "json_object":
                 return compiler.compile_json_schema(ANY_OBJECT, any_whitespace=False, strict_mode=False)
             if kind == "regex":
@@ -132,6 +140,16 @@ class GrammarEngine:
             message = _CPP_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
             name = {"json": "JSON schema", "json_object": "JSON grammar"}.get(kind, kind)
             raise InvalidRequestError(f"invalid structured_outputs {name}: {message}") from None
+
+    @staticmethod
+    def _compile_schema(compiler: Any, schema: str) -> Any:
+        """xgrammar's grammar of `schema`, with its counted strings' characters fixed (COUNTED_CHAR)."""
+        import xgrammar as xgr
+
+        text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
+        if COUNTED_CHAR in text:
+            return compiler.compile_grammar(text.replace(COUNTED_CHAR, JSON_STRING_CHAR))
+        return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
 
     def matcher(self, spec: StructuredOutputsParams) -> Matcher:
         import xgrammar as xgr
@@ -157,33 +175,6 @@ class GrammarEngine:
 
                 self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
         self._batch.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, list(rows))
-
-
-_UNESCAPED_CHARS = r'^[^"\\\x00-\x1f]'
-"""A regex (as JSON schema patterns spell it) for one character a JSON string holds without an escape."""
-_DATA_KEYS = frozenset({"const", "enum", "default", "examples"})
-"""Schema keywords whose values are JSON data, not subschemas: left as they are."""
-
-
-def bounded_strings(schema: Any) -> Any:
-    """`schema` with every string bounded by minLength / maxLength (and no pattern or format) given as the
-    equivalent pattern over unescaped characters. xgrammar 0.2.9 builds such counted strings from any character but
-    quote, backslash and line breaks, raw control characters included (invalid JSON); its pattern strings exclude
-    them. The pattern leaves out escapes, so it allows a subset of the schema's strings: every output still
-    validates."""
-    if isinstance(schema, list):
-        return [bounded_strings(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: v if k in _DATA_KEYS else bounded_strings(v) for k, v in schema.items()}
-    bounded = "minLength" in out or "maxLength" in out
-    if out.get("type") == "string" and bounded and "pattern" not in out and "format" not in out:
-        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
-        if isinstance(low, int) and isinstance(high, (int, str)):
-            out["pattern"] = _UNESCAPED_CHARS + f"{{{low},{high}}}$"
-        else:  # a malformed bound: xgrammar names it
-            out["minLength"], out["maxLength"] = low, high
-    return out
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:
