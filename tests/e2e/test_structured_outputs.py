@@ -167,3 +167,16 @@ def test_properties_come_in_the_schemas_order(llm: LLM) -> None:
     [out] = llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=40,
                                                 structured_outputs=Constraint(json=schema)))
     assert list(json.loads(out.text)) == ["zeta", "alpha"]
+
+
+def test_llava_family_with_an_image(tmp_path) -> None:
+    from flashvlm.testing.tiny_checkpoints import build_llava
+
+    llm = LLM(str(build_llava(tmp_path / "llava", seed=3)), device="cpu", dtype="float32")
+    schemas = random_schemas(6, seed=8)
+    prompts = [{"prompt": f"USER: <image>\nForm {i} ASSISTANT:", "images": [_image(i)]} for i in range(len(schemas))]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                 structured_outputs=Constraint(json=s)) for s in schemas])
+    for schema, out in zip(schemas, outs):
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), schema)
