@@ -137,3 +137,29 @@ def test_100_random_schemas_with_an_image_through_flashvlm_serve(tiny_ckpt: Any)
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) is not None
+
+
+def test_a_slow_compile_holds_up_no_plain_request(live: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two compiles that cannot finish (blocked on an event) would hold both preprocessing threads if they ran
+    # there; a plain request sent meanwhile is served, and only then are the compiles released.
+    import threading
+
+    structured = live.engine.engine.structured
+    release, entered = threading.Event(), threading.Semaphore(0)
+    check = structured.check
+
+    def blocked_check(spec: Any) -> None:
+        if spec is not None and threading.current_thread().name.startswith("flashvlm-grammar"):
+            entered.release()
+            assert release.wait(60)
+        check(spec)
+
+    monkeypatch.setattr(structured, "check", blocked_check)
+    with ThreadPoolExecutor(2) as pool:
+        slow = [pool.submit(_post, live, CHAT, _chat(guided_choice=["a", f"b{i}"])) for i in range(2)]
+        assert entered.acquire(timeout=30)
+        plain = _post(live, CHAT, _chat(max_tokens=3, ignore_eos=True))
+        assert plain.status_code == 200 and not any(f.done() for f in slow)
+        release.set()
+        assert all(_content(f.result()) in ("a", "b0", "b1") for f in slow)
+    live.wait_idle()
