@@ -1,7 +1,7 @@
 """The grammar engine behind structured outputs: xgrammar (chosen by measurement, docs/structured_outputs.md).
 
 `GrammarEngine` compiles a request's StructuredOutputsParams against the tokenizer's vocabulary (cached by the
-constraint, so the server's preprocessing threads compile it once and the engine thread finds it) and makes one
+constraint, so the server's grammar thread compiles it once and the engine thread finds it) and makes one
 `Matcher` per request: it fills the request's row of the step's token bitmask (bit t of row r: token t allowed)
 and accepts each sampled token. xgrammar is an optional dependency (`pip install flashvlm[structured]`); without
 it a constrained request is refused with an InvalidRequestError (a 400) naming the package.
@@ -24,7 +24,7 @@ from flashvlm.structured.params import StructuredOutputsParams
 COMPILE_CACHE_BYTES = 256 << 20
 """xgrammar's cache of compiled grammars (a schema's grammar on a 150k vocabulary is a few MB)."""
 COMPILE_THREADS = 2
-"""Threads one compile may use; compiles run in the preprocessing threads, never on the engine's."""
+"""Threads one compile may use; the server compiles on a thread of its own, never on the engine's."""
 FILL_THREADS = max(1, min(4, os.cpu_count() or 1))
 """Threads that fill one step's bitmask rows (xgrammar's batch matcher), on the engine thread's behalf."""
 MISSING = ("structured outputs need the xgrammar package, which is not installed: pip install 'flashvlm[structured]'")
