@@ -27,17 +27,17 @@ COMPILE_THREADS = 2
 """Threads one compile may use; the server compiles on a thread of its own, never on the engine's."""
 FILL_THREADS = max(1, min(4, os.cpu_count() or 1))
 """Threads that fill one step's bitmask rows (xgrammar's batch matcher), on the engine thread's behalf."""
-MISSING = ("structured outputs need the xgrammar package, which is not installed: pip install 'flashvlm[structured]'")
+MISSING = "structured outputs need the xgrammar package, which is not installed: pip install 'flashvlm[structured]'"
 
 ANY_OBJECT = '{"type": "object"}'
 """json_object's schema. JSON outputs take no free whitespace (xgrammar's any_whitespace off, separators ", " and
-": "): otherwise a weak model can pad with spaces until max_tokens, and a schema-valid value is still a prefix away."""
+": "): otherwise a weak model can pad with spaces until max_tokens."""
 
 COUNTED_CHAR = r'[^\"\\\r\n]'
 """How xgrammar 0.2.9 writes one character of a string with minLength / maxLength in its EBNF: anything but quote,
 backslash and line breaks, raw control characters included, which is not JSON. The engine compiles such a
 schema's grammar text with JSON_STRING_CHAR in its place (same compile time; a pattern of as many characters
-instead would compile 10 to 400 times slower). Should a later xgrammar write it otherwise, the text no longer
+instead compiled up to 400 times slower). Should a later xgrammar write it otherwise, the text no longer
 holds it and the schema compiles as it is (tests/unit/test_structured_engine.py then fails)."""
 JSON_STRING_CHAR = r'[^\"\\\0-\x1f]'
 """One unescaped character of a JSON string (counted strings hold no escapes, as in xgrammar's own)."""
