@@ -82,6 +82,7 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
             p.validate()
+            self.engine.structured.check(p.structured_outputs)
         ids: dict[str, None] = {}  # ours, in prompt order (a dict: order and O(1) membership)
 
         def add(k: int, result: Callable[[], ProcessedPrompt]) -> None:

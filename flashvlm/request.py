@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from flashvlm.pruning.setting import TokenPruning
+    from flashvlm.structured.params import StructuredOutputsParams
 
 
 class InvalidRequestError(ValueError):
@@ -54,10 +55,17 @@ class SamplingParams:
     n: int = 1
     """Completions to generate for the prompt (1..MAX_NUM_SAMPLES). The prompt is computed once and its KV blocks
     shared by the samples; with a `seed`, sample i draws from `sample_seed(seed, i)`."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, any JSON object, a regex, a choice of strings or an EBNF grammar
+    (flashvlm/structured/params.py; a dict of its fields is accepted). Needs `pip install flashvlm[structured]`."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.structured_outputs, dict):
+            from flashvlm.structured.params import StructuredOutputsParams
+
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.validate()
 
     @property
@@ -94,6 +102,13 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.structured_outputs is not None:
+            from flashvlm.structured.params import StructuredOutputsParams
+
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs must be StructuredOutputsParams (or a dict of its fields), got "
+                          f"{type(self.structured_outputs).__name__}")
+            self.structured_outputs.validate()
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -56,6 +56,9 @@ class AsyncEngine:
             engine = engine.engine
         self.engine = engine
         self.admission = admission
+        # Structured-output constraints compile on their own thread (seconds for a large bounded repetition), so a
+        # slow compile holds up only other constrained requests, never image preprocessing or plain prompts.
+        self._grammar_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashvlm-grammar")
         self._executor = ThreadPoolExecutor(max_workers=max(1, num_processing_threads),
                                             thread_name_prefix="flashvlm-preprocess")
         self._loop = EngineLoop(engine, admission, on_step)
@@ -119,6 +122,9 @@ class AsyncEngine:
                 prompt = await self.process_prompt(prompt)
             params = sampling_params or self.engine.default_sampling_params()
             params.validate()
+            if params.structured_outputs is not None:  # compiled off the engine thread; the engine's is then cached
+                await asyncio.get_running_loop().run_in_executor(self._grammar_executor, self.engine.structured.check,
+                                                                 params.structured_outputs)
             stream = OutputSlot(str(request_id) if request_id is not None else uuid.uuid4().hex,
                                 asyncio.get_running_loop())
             self._check_alive()
@@ -171,3 +177,4 @@ class AsyncEngine:
         """Stop the engine thread (after its current step) and fail whatever is still in flight."""
         self._loop.stop(timeout_s)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._grammar_executor.shutdown(wait=False, cancel_futures=True)

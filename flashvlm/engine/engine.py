@@ -37,6 +37,7 @@ from flashvlm.request import (
 from flashvlm.runner.kv_scales import checkpoint_kv_scheme
 from flashvlm.runner.memory_planner import PIXEL_CACHE_BYTES
 from flashvlm.runner.model_runner import ModelRunner, StepTimings
+from flashvlm.structured.manager import REJECTED_STOP_REASON, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,11 @@ class Engine:
                                               preprocess_device=config.device if config.preprocess_on_gpu else None,
                                               pruning=PruningChoice(mc.mm_token_pruning, mc.mm_token_keep_ratio,
                                                                     mc.mm_token_dedup_threshold))
+        self.eos_token_ids = self.checkpoint.eos_token_ids()
+        self.structured = StructuredOutputs(self.checkpoint.tokenizer, text_cfg.vocab_size, self.eos_token_ids)
+        """Constrained requests' grammar matchers (structured outputs): added here, advanced after each update."""
         self.runner = ModelRunner(config, self.model, self.dtype, max_model_len=max_len,
-                                  attention_backend=attention_backend)
+                                  attention_backend=attention_backend, structured=self.structured)
         kv_scale_source = self.runner.set_kv_scales(kv_scheme)
         num_blocks = self.runner.determine_num_blocks(
             lambda: self.input_processor.profile_items(config.scheduler.max_num_batched_tokens))
@@ -91,7 +95,6 @@ class Engine:
                                    EncoderCacheManager(cache.encoder_cache_tokens),
                                    max_model_len=max_len, lookahead_slots=self.limits.lookahead_slots)
         self.tokenizer = self.checkpoint.tokenizer
-        self.eos_token_ids = self.checkpoint.eos_token_ids()
         self._tracked: dict[str, TrackedRequest] = {}
         """Unfinished requests by the caller's id."""
         self._samples: dict[str, tuple[TrackedRequest, Sample]] = {}
@@ -141,6 +144,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        self.structured.check(params.structured_outputs)
         if not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
@@ -172,6 +176,7 @@ class Engine:
         # In index order: the scheduler admits sample 0 first and holds its siblings until it computed the prompt.
         for sample in tracked.samples:
             self._samples[sample.request.request_id] = (tracked, sample)
+            self.structured.add(sample.request)
             self.scheduler.add_request(sample.request)
         return reqs[0]
 
@@ -243,6 +248,8 @@ class Engine:
                 self.scheduler.add_stage_times(by_id[rid], vision_s=timings.vision_s)
         t_update = time.perf_counter() if self.step_log is not None else t0
         changed = self.scheduler.update(out, sampled)
+        if len(self.structured):
+            self._advance_grammars(changed)
         touched: dict[str, TrackedRequest] = {}
         for req in changed:
             entry = self._samples.get(req.request_id)
@@ -266,6 +273,15 @@ class Engine:
         if self.step_log is not None and not out.is_empty:
             self.step_log.append(self._step_record(out, timings, t0, t_scheduled, t_update))
         return outputs
+
+    def _advance_grammars(self, changed: list[Request]) -> None:
+        """Accept the constrained requests' new tokens into their matchers; end a request whose grammar has ended
+        (its stop token accepted: only reachable with ignore_eos or below min_tokens) or refused the token."""
+        refused, ended = self.structured.advance([r for r in changed if not r.is_finished])
+        for rid in refused:
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED, stop_reason=REJECTED_STOP_REASON)
+        for rid in ended:
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
 
     def _step_record(self, out: SchedulerOutput, timings: StepTimings, t0: float, t_scheduled: float,
                      t_update: float) -> StepRecord:
@@ -335,6 +351,7 @@ class Engine:
             self.scheduler.report_stop_string(req, stop)
         self.scheduler.add_stage_times(req, detokenize_s=time.perf_counter() - t0)
         self._samples.pop(req.request_id, None)
+        self.structured.drop(req.request_id)
         self.runner.forget_request(req.request_id)
         sample.done = True
 

@@ -23,6 +23,7 @@ from flashvlm.request import MMItem, SamplingParams
 from flashvlm.runner.inputs import single_sequence_context
 from flashvlm.runner.sampler import Sampler, SamplerInputs
 from flashvlm.runner.step_graphs import step_graph_max_tokens
+from flashvlm.runner.token_mask import TokenMask, words_per_row
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +178,8 @@ class MemoryPlanner:
     def profile_sampler(self, logits: torch.Tensor) -> None:
         """Sample every row with the costliest settings: top-p sorts the vocabulary and, with the penalty and
         min-p, keeps about a dozen (rows, vocab) float32 tensors alive (13x the logits at 152k vocab, measured
-        on the H200), so a full batch of such requests must fit beside the KV cache."""
+        on the H200), so a full batch of such requests must fit beside the KV cache. Every row is constrained by
+        a structured-output mask too (one that allows everything: the same temporaries)."""
         rows = logits.shape[0]
         params = SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, repetition_penalty=1.1, min_tokens=1,
                                 max_tokens=2)
@@ -185,8 +187,10 @@ class MemoryPlanner:
         # engine profiled: its state is put back.
         generator = self.sampler.default_generator
         state = generator.get_state()
+        allow_all = TokenMask(list(range(rows)), torch.full((rows, words_per_row(logits.shape[1])), -1,
+                                                            dtype=torch.int32))
         self.sampler(logits, SamplerInputs([params] * rows, [[0, 1]] * rows, [0] * rows, [(0,)] * rows,
-                                           [None] * rows))
+                                           [None] * rows, allow_all))
         generator.set_state(state)
 
     def decode_graph_reserve(self) -> int:

@@ -31,6 +31,7 @@ from flashvlm.runner.sampler import Sampler, SamplerInputs, make_generator
 from flashvlm.runner.step_graphs import StepGraphs
 from flashvlm.runner.timing import StepTimer, StepTimings
 from flashvlm.runner.vision_graphs import VisionGraphs
+from flashvlm.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +53,10 @@ class _ExecutorAttribute:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: VLModel, dtype: torch.dtype, *, max_model_len: int,
-                 attention_backend: str) -> None:
+                 attention_backend: str, structured: StructuredOutputs | None = None) -> None:
         self.config = config
+        self.structured = structured
+        """The engine's constrained requests' matchers (structured outputs); the runner only asks for bitmasks."""
         self.model = model
         self.dtype = dtype
         self.max_model_len = max_model_len
@@ -210,7 +213,8 @@ class ModelRunner:
         if self.record_logits:
             for r, row in zip(sample_ids, logits):
                 self.recorded_logits.setdefault(r, []).append(row.float().cpu())
-        tokens = self.sampler(logits, SamplerInputs.for_requests(reqs, self.generators))
+        mask = self.structured.bitmask(reqs) if self.structured is not None and len(self.structured) else None
+        tokens = self.sampler(logits, SamplerInputs.for_requests(reqs, self.generators, mask))
         return tokens, gather_logprobs(logits, tokens, sample_ids, [r.sampling_params for r in reqs])
 
     def release(self, out: SchedulerOutput) -> None:

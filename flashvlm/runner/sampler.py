@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from flashvlm.request import Request, SamplingParams
+from flashvlm.runner.token_mask import TokenMask, apply_token_mask
 
 # Exponential(1) draws can underflow to 0 in float32; dividing by it would turn a zero
 # probability into NaN and a tiny one into inf, so clamp the noise away from zero.
@@ -63,17 +64,19 @@ class SamplerInputs:
     eos_token_ids: Sequence[tuple[int, ...]]
     generators: Sequence[torch.Generator | None]
     """Each row's own generator (a seeded request), or None for the sampler's default one."""
+    token_mask: TokenMask | None = None
+    """Structured outputs: the allowed tokens of the constrained rows (None: no row is constrained)."""
 
     @classmethod
-    def for_requests(cls, requests: Sequence[Request],
-                     generators: dict[str, torch.Generator | None]) -> SamplerInputs:
+    def for_requests(cls, requests: Sequence[Request], generators: dict[str, torch.Generator | None],
+                     token_mask: TokenMask | None = None) -> SamplerInputs:
         """The rows of `requests`, in order; token history only for rows with a repetition penalty."""
         return cls(params=[r.sampling_params for r in requests],
                    prev_token_ids=[r.all_token_ids if r.sampling_params.repetition_penalty != 1.0 else ()
                                    for r in requests],
                    num_output_tokens=[len(r.output_token_ids) for r in requests],
                    eos_token_ids=[r.eos_token_ids for r in requests],
-                   generators=[generators.get(r.request_id) for r in requests])
+                   generators=[generators.get(r.request_id) for r in requests], token_mask=token_mask)
 
     def __len__(self) -> int:
         return len(self.params)
@@ -82,6 +85,10 @@ class SamplerInputs:
         if not (len(self.params) == len(self.prev_token_ids) == len(self.num_output_tokens)
                 == len(self.eos_token_ids) == len(self.generators) == num_rows):
             raise ValueError(f"sampler inputs disagree on the batch size ({num_rows} logits rows)")
+        mask = self.token_mask
+        if mask is not None and (len(mask.rows) != mask.bitmask.shape[0]
+                                 or any(not 0 <= r < num_rows for r in mask.rows)):
+            raise ValueError(f"token mask rows {mask.rows} do not fit the batch ({num_rows} rows)")
 
 
 class Sampler:
@@ -118,11 +125,20 @@ class Sampler:
         return greedy.index_copy(0, index, sampled)
 
     def apply_penalties(self, logits: torch.Tensor, rows: SamplerInputs) -> torch.Tensor:
-        """The float32 logits that greedy decoding takes the argmax of: repetition penalty applied,
-        and stop tokens banned below ``min_tokens``. Never writes into ``logits`` (may return it as is)."""
+        """The float32 logits that greedy decoding takes the argmax of: repetition penalty applied, a constrained
+        row's disallowed tokens at -inf, and stop tokens banned below ``min_tokens`` (unless they are all its
+        constraint allows). Never writes into ``logits`` (may return it as is)."""
         logits = logits.float()
         logits = self._apply_repetition_penalty(logits, rows.params, rows.prev_token_ids)
-        return self._mask_stop_tokens(logits, rows.params, rows.num_output_tokens, rows.eos_token_ids)
+        if rows.token_mask is None:
+            return self._mask_stop_tokens(logits, rows.params, rows.num_output_tokens, rows.eos_token_ids)
+        logits = apply_token_mask(logits, rows.token_mask)
+        banned = self._mask_stop_tokens(logits, rows.params, rows.num_output_tokens, rows.eos_token_ids)
+        if banned is logits:
+            return logits
+        # A complete constraint allows only its stop tokens: min_tokens then yields to it rather than leave the
+        # row no token at all (decided on the device, without a sync).
+        return torch.where(torch.isfinite(banned).any(dim=-1, keepdim=True), banned, logits)
 
     # --- logits processors --------------------------------------------------------------------
     # A processor added here must also be ruled out by `is_plain_argmax`.
@@ -130,8 +146,10 @@ class Sampler:
     @staticmethod
     def is_plain_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
         """Whether a row's token is simply the argmax of its raw logits: greedy, and no logits processor changes
-        anything (no repetition penalty, min_tokens reached). The decode lookahead relies on it."""
-        return params.greedy and params.repetition_penalty == 1.0 and num_output_tokens >= params.min_tokens
+        anything (no repetition penalty, min_tokens reached, no structured-output constraint). The decode
+        lookahead relies on it."""
+        return (params.greedy and params.repetition_penalty == 1.0 and num_output_tokens >= params.min_tokens
+                and params.structured_outputs is None)
 
     @staticmethod
     def _apply_repetition_penalty(

@@ -3,7 +3,7 @@ log-probabilities in logprobs.py), and the mapping from a request to `SamplingPa
 
 Unknown request fields are accepted and ignored (the OpenAI client sends fields we have no use for, such as
 `store` or `metadata`); fields we recognise but cannot honour (`best_of` other than `n`, non-zero presence or frequency
-penalties, `logit_bias`, JSON `response_format`, `echo`, `suffix`) are refused with 400
+penalties, `logit_bias`, `echo`, `suffix`) are refused with 400
 rather than silently ignored, so a client never gets an answer computed differently from what it asked for.
 """
 
@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, field
 from flashvlm.request import MAX_LOGPROBS, MAX_NUM_SAMPLES, SamplingParams
 from flashvlm.server.errors import APIError, ErrorInfo, ErrorResponse, bad_request  # noqa: F401 (re-exported)
 from flashvlm.server.logprobs import ChatLogprobs, CompletionLogprobs, check_num_logprobs
+from flashvlm.server.structured_fields import StructuredOutputFields
 from flashvlm.server.tool_protocol import HistoryToolCall, ToolChoice, ToolDefinition, ToolMode, tool_mode
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -83,12 +84,7 @@ class StreamOptions(_NullMeansDefault):
     continuous_usage_stats: bool = Field(False, description="accepted and ignored")
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str = "text"
-
-
-class _SamplingFields(_Request):
+class _SamplingFields(_Request, StructuredOutputFields):
     """Fields shared by both endpoints; names and meanings as OpenAI's and vLLM's."""
 
     model: str | None = Field(None, description="must be one of the served model names (default: the first)")
@@ -123,6 +119,7 @@ class _SamplingFields(_Request):
     sla_tier: str | None = Field(None, description="SLA tier name (or the x-sla-tier header)")
 
     def common_checks(self) -> None:
+        self.structured_spec()  # its shape, before any image is decoded (the engine compiles it later)
         if self.best_of not in (None, self.n):
             raise bad_request(f"best_of={self.best_of} is not supported (ranking best_of samples to return n): leave "
                               "it out or set it to n", "best_of")
@@ -154,7 +151,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = Field(False, description="return each output token's log-probability (raw logits)")
     top_logprobs: int | None = Field(None, description=f"0..{MAX_LOGPROBS} most likely tokens per position; "
                                                        "needs logprobs: true")
-    response_format: ResponseFormat | None = None
     tools: list[ToolDefinition] | None = Field(None, description="functions the model may call (docs/server.md)")
     tool_choice: ToolChoice | None = Field(None, description="none, auto (the default with tools), required, or "
                                                               "{\"type\": \"function\", \"function\": {\"name\": ...}}")
@@ -175,9 +171,6 @@ class ChatCompletionRequest(_SamplingFields):
         if self._tool_mode.choice in ("required", "named"):
             raise bad_request(f"tool_choice {self.tool_choice!r} is not supported yet; use auto or none",
                               "tool_choice")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request(f"response_format {self.response_format.type!r} is not supported; only 'text'",
-                              "response_format")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -286,7 +279,8 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, defaults:
                        param="max_tokens", code="context_length_exceeded")
     fields: dict[str, Any] = {"max_tokens": max_tokens, "min_tokens": req.min_tokens, "ignore_eos": req.ignore_eos,
                               "skip_special_tokens": req.skip_special_tokens, "seed": req.seed,
-                              "logprobs": req.requested_logprobs(), "n": req.n}
+                              "logprobs": req.requested_logprobs(), "n": req.n,
+                              "structured_outputs": req.structured_spec()}
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
         if value is not None:

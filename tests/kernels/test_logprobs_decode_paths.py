@@ -9,6 +9,7 @@ on CUDA the engine's captured graphs and its own lookahead are used.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -42,6 +43,23 @@ def _graphs_and_lookahead_on_cpu(llm: LLM) -> None:
     engine.scheduler._lookahead_slots = 1
 
 
+def generate_beside_lookahead(path: str, prompts: list, params: list) -> tuple[list, list[list[str]], Any]:
+    """Outputs of an engine with decode graphs and the lookahead, the request ids of every step the lookahead
+    launched, in order, and its pipeline."""
+    llm = LLM(path, **OPTS)
+    _graphs_and_lookahead_on_cpu(llm)
+    pipeline = llm.engine.runner.pipeline
+    launched: list[list[str]] = []
+    launch = pipeline._launch
+
+    def recording_launch(batch, input_ids):
+        launched.append(list(batch.sample_request_ids))
+        return launch(batch, input_ids)
+
+    pipeline._launch = recording_launch
+    return llm.generate(prompts, params), launched, pipeline
+
+
 def test_logprobs_rows_take_the_decode_graph_and_the_others_keep_their_tokens(tmp_path) -> None:
     path = str(build_qwen2_vl(tmp_path / "m", seed=9))
     rng = np.random.default_rng(4)
@@ -55,18 +73,7 @@ def test_logprobs_rows_take_the_decode_graph_and_the_others_keep_their_tokens(tm
     assert [o.token_ids for o in eager.generate(prompts, [dataclasses.replace(p, logprobs=None) for p in params])] \
         == [o.token_ids for o in expected]
 
-    llm = LLM(path, **OPTS)
-    _graphs_and_lookahead_on_cpu(llm)
-    pipeline = llm.engine.runner.pipeline
-    launched: list[list[str]] = []
-    launch = pipeline._launch
-
-    def recording_launch(batch, input_ids):
-        launched.append(list(batch.sample_request_ids))
-        return launch(batch, input_ids)
-
-    pipeline._launch = recording_launch
-    outs = llm.generate(prompts, params)
+    outs, launched, pipeline = generate_beside_lookahead(path, prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
     asking_ids = {outs[0].request_id, outs[2].request_id}
     # The plain request went through the lookahead once the asking ones were done, never beside them.

@@ -110,7 +110,7 @@ CASES: list[tuple[str, str, Any, int, str]] = [
     ("tools-twice", CHAT, _chat(tools=[_TOOL, _TOOL]), 400, "same function twice"),
     ("tool-history-without-function", CHAT, {"model": MODEL, "messages": [
         {"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]}, 400, "function"),
-    ("json-response-format", CHAT, _chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("unknown-response-format", CHAT, _chat(response_format={"type": "xml"}), 400, "response_format"),
     ("request-id-with-newline", CHAT, _chat(request_id="a\r\nx-evil: 1"), 400, "request_id"),
     ("unknown-model", CHAT, _chat(model="gpt-5"), 404, "does not exist"),
     ("unknown-sla-tier", CHAT, _chat(sla_tier="platinum"), 400, "platinum"),
@@ -238,7 +238,8 @@ _completion_base = st.fixed_dictionaries({"model": st.just(MODEL), "max_tokens":
                                           "prompt": st.text(max_size=40) | st.lists(st.integers(-5, 600), max_size=5)},
                                          optional=_valid_options)
 _field_names = sorted({*_valid_options, "model", "messages", "prompt", "max_completion_tokens", "logprobs",
-                       "presence_penalty", "frequency_penalty", "mm_processor_kwargs", "request_id", "response_format"})
+                       "presence_penalty", "frequency_penalty", "mm_processor_kwargs", "request_id", "response_format",
+                       "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"})
 
 
 def _with_junk(base: st.SearchStrategy) -> st.SearchStrategy:

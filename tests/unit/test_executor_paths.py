@@ -106,3 +106,17 @@ def test_a_row_asking_for_logprobs_takes_the_decode_graph_not_the_lookahead() ->
     out.scheduled[1].request.sampling_params.logprobs = 2
     plan = ex.plan(out, positions)
     assert plan.path is ExecutionPath.DECODE_GRAPH and plan.batch.num_seqs == 2 and pipeline.drops == 1
+
+
+def test_a_constrained_row_takes_the_decode_graph_not_the_lookahead() -> None:
+    # Structured outputs mask the logits in the sampler; the lookahead's argmax would ignore the mask. The whole
+    # step takes the decode graph (its other rows' tokens are the same argmax), and the next all-plain step
+    # returns to the lookahead.
+    from flashvlm.structured.params import StructuredOutputsParams
+
+    ex, pipeline = _executor()
+    out, positions = _step(2)
+    out.scheduled[0].request.sampling_params.structured_outputs = StructuredOutputsParams(regex="[a-z]+")
+    plan = ex.plan(out, positions)
+    assert plan.path is ExecutionPath.DECODE_GRAPH and plan.batch.num_seqs == 2 and pipeline.drops == 1
+    assert ex.plan(*_step(2)).path is ExecutionPath.LOOKAHEAD
