@@ -20,6 +20,7 @@ from flashvlm.server.errors import APIError, ErrorInfo, ErrorResponse, bad_reque
 from flashvlm.server.logprobs import ChatLogprobs, CompletionLogprobs, check_num_logprobs
 from flashvlm.server.structured_fields import StructuredOutputFields
 from flashvlm.server.tool_protocol import HistoryToolCall, ToolChoice, ToolDefinition, ToolMode, tool_mode
+from flashvlm.structured.params import StructuredOutputsParams
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # The detokenizer searches every stop string after every token, so a request's stop strings cost the whole batch;
@@ -154,7 +155,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDefinition] | None = Field(None, description="functions the model may call (docs/server.md)")
     tool_choice: ToolChoice | None = Field(None, description="none, auto (the default with tools), required, or "
                                                               "{\"type\": \"function\", \"function\": {\"name\": ...}}")
-    parallel_tool_calls: bool = Field(True, description="accepted; the model may write several calls either way")
+    parallel_tool_calls: bool = Field(True, description="false: tool_choice required makes one call")
     mm_processor_kwargs: dict[str, Any] | None = Field(
         None, description="min_pixels / max_pixels (Qwen), mm_token_pruning / mm_token_keep_ratio / "
                           "mm_token_dedup_threshold (visual-token pruning); the engine checks each value (a bad one "
@@ -163,14 +164,22 @@ class ChatCompletionRequest(_SamplingFields):
     _tool_mode: ToolMode = PrivateAttr(default_factory=lambda: ToolMode("off"))
 
     def check(self, tool_call_parser: str = "hermes") -> None:
+        self._tool_mode = tool_mode(self.tools, self.tool_choice, tool_call_parser, self.parallel_tool_calls)
         self.common_checks()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         check_num_logprobs(self.top_logprobs, "top_logprobs")
-        self._tool_mode = tool_mode(self.tools, self.tool_choice, tool_call_parser)
-        if self._tool_mode.choice in ("required", "named"):
-            raise bad_request(f"tool_choice {self.tool_choice!r} is not supported yet; use auto or none",
-                              "tool_choice")
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        """The output constraint: the request's own, or a forced tool call's (tool_choice required or named),
+        which cannot be combined with another."""
+        spec = super().structured_spec()
+        if not self._tool_mode.forces_call:
+            return spec
+        if spec is not None:
+            raise bad_request("tool_choice required or a named function constrains the output itself; it cannot be "
+                              "combined with response_format or structured_outputs", "tool_choice")
+        return StructuredOutputsParams(json=self._tool_mode.forced_call_schema())
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -59,6 +59,8 @@ class ToolMode:
     choice: Literal["off", "none", "auto", "required", "named"]
     function: str | None = None
     tools: tuple[dict[str, Any], ...] = ()
+    parallel: bool = True
+    """OpenAI's parallel_tool_calls: false holds `required` to one call."""
 
     @property
     def renders_tools(self) -> bool:
@@ -66,10 +68,29 @@ class ToolMode:
 
     @property
     def parses_calls(self) -> bool:
+        """Whether `<tool_call>` blocks are read out of free text (auto)."""
         return self.choice == "auto"
 
+    @property
+    def forces_call(self) -> bool:
+        """Whether the output is constrained to be the call (named: its arguments; required: a list of calls)."""
+        return self.choice in ("required", "named")
 
-def tool_mode(tools: list[ToolDefinition] | None, tool_choice: ToolChoice | None, parser: str) -> ToolMode:
+    def forced_call_schema(self) -> dict[str, Any]:
+        """The JSON schema the output is held to when a call is forced: the named function's arguments object, or
+        for `required` a non-empty list of `{"name": ..., "parameters": {...}}` over the tools (vLLM's shape)."""
+        by_name = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools}
+        if self.choice == "named":
+            return by_name[self.function]
+        options = [{"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
+                    "required": ["name", "parameters"], "additionalProperties": False}
+                   for name, parameters in by_name.items()]
+        bound = {} if self.parallel else {"maxItems": 1}
+        return {"type": "array", "minItems": 1, **bound, "items": {"anyOf": options}}
+
+
+def tool_mode(tools: list[ToolDefinition] | None, tool_choice: ToolChoice | None, parser: str,
+              parallel: bool = True) -> ToolMode:
     """The request's ToolMode; a 400 naming the field for a combination the server cannot honour."""
     if not tools:
         if tool_choice is not None:
@@ -85,6 +106,6 @@ def tool_mode(tools: list[ToolDefinition] | None, tool_choice: ToolChoice | None
         if tool_choice.function.name not in names:
             raise bad_request(f"tool_choice names the function {tool_choice.function.name!r}, which is not in "
                               f"tools ({', '.join(names)})", "tool_choice")
-        return ToolMode("named", tool_choice.function.name, dumped)
+        return ToolMode("named", tool_choice.function.name, dumped, parallel)
     choice = tool_choice or "auto"
-    return ToolMode(choice, None, dumped)
+    return ToolMode(choice, None, dumped, parallel)

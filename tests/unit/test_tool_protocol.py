@@ -38,3 +38,12 @@ def test_refused(tools: list[str] | None, choice: object, parser: str, field: st
     with pytest.raises(APIError) as e:
         tool_mode(None if tools is None else _tools(*tools), choice, parser)  # type: ignore[arg-type]
     assert e.value.status == 400 and e.value.param == field
+
+
+def test_forced_call_schemas() -> None:
+    named = tool_mode(_tools("a", "b"), NamedToolChoice.model_validate({"function": {"name": "b"}}), "hermes")
+    assert named.forces_call and named.forced_call_schema() == {"type": "object"}  # no parameters: any object
+    required = tool_mode(_tools("a", "b"), "required", "hermes", parallel=False).forced_call_schema()
+    assert required["minItems"] == required["maxItems"] == 1
+    assert [o["properties"]["name"] for o in required["items"]["anyOf"]] == [{"const": "a"}, {"const": "b"}]
+    assert "maxItems" not in tool_mode(_tools("a"), "required", "hermes").forced_call_schema()
