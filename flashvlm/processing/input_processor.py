@@ -37,6 +37,18 @@ class ProcessedPrompt:
     """Host time spent decoding and preprocessing images, templating and tokenizing."""
 
 
+@dataclass
+class PromptText:
+    """A prompt's text part, checked, before any image is decoded: its token ids (placeholders not yet expanded),
+    its image sources in order, and the request's processor settings."""
+
+    token_ids: list[int]
+    images: list[Any]
+    family_kwargs: dict
+    """mm_processor_kwargs the model family's image processor reads."""
+    pruning: tuple[str, float]
+
+
 class PixelCache:
     """Thread-safe LRU of preprocessed images by mm_hash, bounded in bytes (prompts are processed on
     executor threads by the async engine). Cached tensors are shared: nothing may modify them in place."""
@@ -111,6 +123,17 @@ class InputProcessor:
         return _timed(self._process_chat, messages, mm_processor_kwargs, chat_template, add_generation_prompt)
 
     def _process(self, prompt: str | dict[str, Any], mm_processor_kwargs: dict | None) -> ProcessedPrompt:
+        text = self.prompt_text(prompt, mm_processor_kwargs)
+        return self.assemble(text, [self.image_item(src, text, i) for i, src in enumerate(text.images)])
+
+    def _process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None, chat_template: str | None,
+                      add_generation_prompt: bool) -> ProcessedPrompt:
+        text = self.chat_text(messages, mm_processor_kwargs, chat_template, add_generation_prompt)
+        return self.assemble(text, [self.image_item(src, text, i) for i, src in enumerate(text.images)])
+
+    # ---- the three stages: text, each image, assembly (prompt_pipeline.py runs them on separate pools) ---
+    def prompt_text(self, prompt: str | dict[str, Any], mm_processor_kwargs: dict | None = None) -> PromptText:
+        """A `generate` prompt (text or token ids, optional images), tokenized and checked."""
         if isinstance(prompt, str):
             prompt = {"prompt": prompt}
         if not isinstance(prompt, dict):
@@ -134,10 +157,11 @@ class InputProcessor:
             token_ids = self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
         else:
             raise InvalidRequestError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
-        return self._attach_images(token_ids, images, kwargs)
+        return self._checked(token_ids, list(images), kwargs)
 
-    def _process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None, chat_template: str | None,
-                      add_generation_prompt: bool) -> ProcessedPrompt:
+    def chat_text(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
+                  chat_template: str | None = None, add_generation_prompt: bool = True) -> PromptText:
+        """OpenAI-style messages through the chat template, tokenized and checked."""
         template = chat_template or self.checkpoint.chat_template
         if template is None:
             raise InvalidRequestError("this model has no chat template; use generate() with a raw prompt")
@@ -146,7 +170,22 @@ class InputProcessor:
                                                   add_generation_prompt=add_generation_prompt)
         check_unicode(text, "the templated chat")  # a role or template text the message checks did not see
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return self._attach_images(token_ids, images, mm_processor_kwargs or {})
+        return self._checked(token_ids, images, mm_processor_kwargs or {})
+
+    def image_item(self, src: Any, text: PromptText, index: int) -> MMItem:
+        """Decode, hash and preprocess image `index` of a prompt: the heavy stage. Thread-safe."""
+        try:
+            array = rgb_array(src)  # an RGB numpy array stays one while it needs no resize: no PIL round trip
+            image = SourceImage(pil=load_image(src)) if array is None else SourceImage(array=array)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"image {index}: {e}") from None
+        return self.image_inputs.make_item(image, text.family_kwargs, self.pixel_cache, self.preprocess_device)
+
+    def assemble(self, text: PromptText, items: list[MMItem]) -> ProcessedPrompt:
+        """The prompt with each image's pruning setting and its placeholders expanded."""
+        for item in items:
+            self._prune(item, text.pruning)
+        return ProcessedPrompt(self._expand_placeholders(text.token_ids, items), items)
 
     @staticmethod
     def normalize_messages(messages: Any) -> tuple[list[dict], list[Any]]:
@@ -183,7 +222,7 @@ class InputProcessor:
         return out, images
 
     # ---- images --------------------------------------------------------------------------------
-    def _attach_images(self, token_ids: list[int], images: list[Any], kwargs: dict) -> ProcessedPrompt:
+    def _checked(self, token_ids: list[int], images: list[Any], kwargs: dict) -> PromptText:
         if len(images) > self.max_images_per_prompt:
             raise InvalidRequestError(f"{len(images)} images in one prompt; the limit is {self.max_images_per_prompt}")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -191,10 +230,7 @@ class InputProcessor:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         setting = self._pruning_setting(kwargs)  # checked with or without images
         family_kwargs = {k: v for k, v in kwargs.items() if k not in PRUNING_KWARGS}
-        items = [self._preprocess(src, family_kwargs, i) for i, src in enumerate(images)]
-        for item in items:
-            self._prune(item, setting)
-        return ProcessedPrompt(self._expand_placeholders(token_ids, items), items)
+        return PromptText(token_ids, images, family_kwargs, setting)
 
     def _pruning_setting(self, kwargs: dict) -> tuple[str, float]:
         try:
@@ -223,14 +259,6 @@ class InputProcessor:
         if self.pruning[0] != "none":
             per_image = kept_count(item.num_tokens, self.pruning[1])
         return [item] * max(1, budget_tokens // per_image)
-
-    def _preprocess(self, src: Any, kwargs: dict, index: int) -> MMItem:
-        try:
-            array = rgb_array(src)  # an RGB numpy array stays one while it needs no resize: no PIL round trip
-            image = SourceImage(pil=load_image(src)) if array is None else SourceImage(array=array)
-        except InvalidRequestError as e:
-            raise InvalidRequestError(f"image {index}: {e}") from None
-        return self.image_inputs.make_item(image, kwargs, self.pixel_cache, self.preprocess_device)
 
     def _expand_placeholders(self, token_ids: list[int], items: list[MMItem]) -> list[int]:
         """Each placeholder token stands for one image and is expanded, as HF's processors do, even when
