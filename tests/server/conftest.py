@@ -85,16 +85,20 @@ def image_message(text: str, *uris: str) -> list[dict[str, Any]]:
 
 
 def start_server(llm: LLM, media_dir: Path, *, max_waiting_requests: int = 256, with_metrics: bool = True,
-                 tracer: Any = None, header_read_timeout_s: float = 10.0, **settings_kw: Any) -> LiveServer:
-    """`settings_kw`: more ServerSettings fields (body_read_timeout_s, max_body_bytes_in_flight)."""
+                 tracer: Any = None, header_read_timeout_s: float = 10.0, image_threads: int | None = None,
+                 image_decodes_per_request: int | None = None, media_kw: dict[str, Any] | None = None,
+                 **settings_kw: Any) -> LiveServer:
+    """`settings_kw`: more ServerSettings fields (body_read_timeout_s, max_body_bytes_in_flight); `media_kw`: more
+    MediaPolicy fields (max_request_pixels ...)."""
     from flashvlm.server.http_server import build_server
     from flashvlm.server.metrics import EngineMetrics
 
     tiers = load_tiers(None)
-    engine = AsyncEngine(llm.engine, admission=Admission(max_waiting_requests))
+    engine = AsyncEngine(llm.engine, admission=Admission(max_waiting_requests), image_threads=image_threads,
+                         image_decodes_per_request=image_decodes_per_request)
     metrics = EngineMetrics(MODEL, tiers=tiers.names, max_model_len=engine.max_model_len) if with_metrics else None
-    policy = MediaPolicy(max_image_bytes=MAX_IMAGE_BYTES, max_image_pixels=MAX_IMAGE_PIXELS,
-                         limit_images=LIMIT_IMAGES, allowed_local_media_path=media_dir)
+    policy = MediaPolicy(**{"max_image_bytes": MAX_IMAGE_BYTES, "max_image_pixels": MAX_IMAGE_PIXELS,
+                            "limit_images": LIMIT_IMAGES, "allowed_local_media_path": media_dir, **(media_kw or {})})
     settings = ServerSettings(served_model_names=[MODEL], media=policy, tiers=tiers, disable_log_requests=True,
                               **settings_kw)
     app = build_app(engine, settings, metrics, tracer)
