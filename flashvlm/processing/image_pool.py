@@ -8,6 +8,7 @@ image instead of waiting for all twelve. Text work never comes here (flashvlm/pr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import deque
@@ -18,6 +19,9 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 MAX_AUTO_THREADS = 32
+WORKER_NICENESS = 10
+"""How much lower than the server's other threads image workers run (Linux, where a thread has its own nice
+value): when CPUs are short, the engine's stepping thread and text work win them, and images take what is left."""
 
 
 def usable_cpus() -> int:
@@ -110,6 +114,7 @@ class ImagePool:
                 self._cond.wait()
 
     def _work(self) -> None:
+        _lower_priority()
         while (job := self._next_job()) is not None:
             session, future, fn = job
             try:
@@ -150,3 +155,10 @@ class ImageSession:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _lower_priority() -> None:
+    # Not Linux, or not allowed: the workers run at the server's priority.
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0)
+                       + WORKER_NICENESS)
