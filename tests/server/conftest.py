@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
+import re
 import socket
 import threading
 import time
@@ -65,6 +67,26 @@ class LiveServer:
             if idle or time.monotonic() > deadline:
                 return stats
             time.sleep(0.01)
+
+
+REJECTION_LINE = re.compile(r"^request (?P<id>\S+) rejected: (?P<status>\d{3}) (?P<code>\S+) \((?P<method>[A-Z]+) "
+                            r"(?P<path>\S+)\): (?P<reason>.+)$")
+"""The one log line of a refused request (flashvlm.server.app.log_rejection)."""
+
+
+def rejection_lines(caplog: pytest.LogCaptureFixture, request_id: str) -> list[tuple[int, dict[str, str]]]:
+    """(level, fields) of each rejection line logged for `request_id`."""
+    out = []
+    for rec in caplog.records:
+        if rec.name == "flashvlm.server" and (m := REJECTION_LINE.match(rec.getMessage())) and m["id"] == request_id:
+            out.append((rec.levelno, m.groupdict()))
+    return out
+
+
+@pytest.fixture
+def rejections(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    caplog.set_level(logging.INFO, logger="flashvlm.server")
+    yield caplog
 
 
 def png_bytes(w: int = 56, h: int = 56, seed: int = 0) -> bytes:
