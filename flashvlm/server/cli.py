@@ -130,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
                                remote_timeout_s=args.remote_image_timeout,
                                max_request_pixels=args.max_request_image_pixels,
                                max_request_decode_s=args.max_request_decode_seconds)
+    for flag, value in (("--image-decode-threads", args.image_decode_threads),
+                        ("--image-decodes-per-request", args.image_decodes_per_request)):
+        if value is not None and value < 1:  # checked before the model loads
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     if policy.allowed_local_media_path is not None and not policy.allowed_local_media_path.is_dir():
         raise ValueError(f"--allowed-local-media-path {args.allowed_local_media_path!r} is not a directory")
     no_tiers = args.sla_config is not None and args.sla_config.lower() == "none"

@@ -153,3 +153,21 @@ def test_budget_bounds_are_checked() -> None:
         MediaPolicy(max_request_pixels=0)
     with pytest.raises(ValueError, match="--max-request-decode-seconds"):
         MediaPolicy(max_request_decode_s=0)
+
+
+def test_the_flags() -> None:
+    from flashvlm.cli import build_parser
+    from flashvlm.server.cli import run
+
+    args = build_parser().parse_args(["serve"])
+    assert (args.image_decode_threads, args.image_decodes_per_request) == (None, None)
+    assert (args.max_request_image_pixels, args.max_request_decode_seconds) == (200_000_000, 30.0)
+    args = build_parser().parse_args(["serve", "--image-decode-threads", "6", "--image-decodes-per-request", "2",
+                                      "--max-request-image-pixels", "1000", "--max-request-decode-seconds", "2.5"])
+    assert (args.image_decode_threads, args.image_decodes_per_request) == (6, 2)
+    assert (args.max_request_image_pixels, args.max_request_decode_seconds) == (1000, 2.5)
+    for flag in ("--image-decode-threads", "--image-decodes-per-request"):
+        with pytest.raises(ValueError, match=flag):  # before any model is loaded
+            run(build_parser().parse_args(["serve", flag, "0"]))
+    with pytest.raises(ValueError, match="--max-request-decode-seconds"):
+        run(build_parser().parse_args(["serve", "--max-request-decode-seconds", "0"]))
