@@ -173,18 +173,19 @@ class InputProcessor:
         return self._checked(token_ids, images, mm_processor_kwargs or {})
 
     def image_item(self, src: Any, text: PromptText, index: int) -> MMItem:
-        """Decode, hash and preprocess image `index` of a prompt: the heavy stage. Thread-safe."""
+        """Decode, hash, preprocess and prune image `index` of a prompt: all of one image's heavy work, and
+        nothing that reads the other images. Thread-safe."""
         try:
             array = rgb_array(src)  # an RGB numpy array stays one while it needs no resize: no PIL round trip
             image = SourceImage(pil=load_image(src)) if array is None else SourceImage(array=array)
         except InvalidRequestError as e:
             raise InvalidRequestError(f"image {index}: {e}") from None
-        return self.image_inputs.make_item(image, text.family_kwargs, self.pixel_cache, self.preprocess_device)
+        item = self.image_inputs.make_item(image, text.family_kwargs, self.pixel_cache, self.preprocess_device)
+        self._prune(item, text.pruning)
+        return item
 
     def assemble(self, text: PromptText, items: list[MMItem]) -> ProcessedPrompt:
-        """The prompt with each image's pruning setting and its placeholders expanded."""
-        for item in items:
-            self._prune(item, text.pruning)
+        """The prompt with each image's placeholders expanded to its (kept) token count: a walk over the ids."""
         return ProcessedPrompt(self._expand_placeholders(text.token_ids, items), items)
 
     @staticmethod
