@@ -80,9 +80,9 @@ class AsyncEngine:
         return self.engine.default_sampling_params()
 
     def stats(self) -> dict[str, Any]:
-        """The engine's latest numbers (as of the last step) plus the admission counters."""
+        """The engine's latest numbers (as of the last step), the admission counters and the image pool's jobs."""
         admission = self.admission.stats() if self.admission is not None else {}
-        return {**self._loop.stats(), **admission}
+        return {**self._loop.stats(), **admission, **self.pipeline.images.stats()}
 
     # ---- preprocessing (off the event loop) ---------------------------------------------------
     async def run_in_executor(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

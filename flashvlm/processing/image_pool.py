@@ -57,6 +57,7 @@ class ImagePool:
         self._ring: deque[ImageSession] = deque()
         """Sessions with jobs waiting, in the order workers serve them."""
         self._stopped = False
+        self._running = 0
         self._workers = [threading.Thread(target=self._work, name=f"flashvlm-image-{i}", daemon=True)
                          for i in range(self.threads)]
         for worker in self._workers:
@@ -76,9 +77,10 @@ class ImagePool:
             self._cond.notify_all()
 
     def stats(self) -> dict[str, int]:
+        """Image jobs held by workers now, and queued behind them."""
         with self._cond:
-            sessions = list(self._ring)
-            return {"image_jobs_waiting": sum(len(s._waiting) for s in sessions)}
+            return {"image_jobs_running": self._running,
+                    "image_jobs_waiting": sum(len(s._waiting) for s in self._ring)}
 
     # ---- used by sessions and workers (under self._cond) -----------------------------------
     def _enqueue(self, session: ImageSession, future: Future, fn: Callable[[], Any]) -> None:
@@ -110,6 +112,7 @@ class ImagePool:
                         if session._waiting:
                             self._ring.append(session)  # its next job waits for the other sessions' turns
                         session.running += 1
+                        self._running += 1
                         return session, future, fn
                 self._cond.wait()
 
@@ -126,6 +129,7 @@ class ImagePool:
             finally:
                 with self._cond:
                     session.running -= 1
+                    self._running -= 1
                     self._cond.notify_all()
 
 

@@ -84,12 +84,16 @@ def test_text_only_is_answered_while_every_image_worker_is_stuck(
         assert not any(f.done() for f in heavy)
         # One image of each request entered: neither took both workers with its four images.
         assert sorted(decoder.entered) == ["a", "b"]
+        stats = live.engine.stats()  # what /metrics reports as flashvlm:image_jobs_running / _waiting
+        assert (stats["image_jobs_running"], stats["image_jobs_waiting"]) == (2, 6)
         decoder.release.set()
         for f in heavy:
             r = f.result(WAIT_S * 2)
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 2
     assert sorted(decoder.entered) == ["a"] * 4 + ["b"] * 4
+    stats = live.engine.stats()
+    assert (stats["image_jobs_running"], stats["image_jobs_waiting"]) == (0, 0)
 
 
 def test_a_late_request_gets_a_worker_before_an_earlier_one_finishes(
