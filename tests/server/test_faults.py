@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 MIB = 1 << 20
 CHAT = "/v1/chat/completions"
 SOAK_REQUESTS = 300
-RSS_GROWTH_LIMIT = 256 * MIB
+RSS_GROWTH_LIMIT = 128 * MIB
 """Resident memory the soak may add after its warm-up: the caches' fill and allocator slack, far below what
 keeping every request's body, images or outputs would take."""
 
