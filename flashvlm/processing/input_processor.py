@@ -34,7 +34,8 @@ class ProcessedPrompt:
     arrival_time: float = field(default_factory=time.time)
     """When processing began: the request's arrival as the user sees it."""
     preprocess_s: float = 0.0
-    """Host time spent decoding and preprocessing images, templating and tokenizing."""
+    """Seconds from when processing began until the prompt was ready: decoding and preprocessing images,
+    templating, tokenizing (on the server's pools, also the waits for their workers)."""
 
 
 @dataclass
@@ -50,8 +51,8 @@ class PromptText:
 
 
 class PixelCache:
-    """Thread-safe LRU of preprocessed images by mm_hash, bounded in bytes (prompts are processed on
-    executor threads by the async engine). Cached tensors are shared: nothing may modify them in place."""
+    """Thread-safe LRU of preprocessed images by mm_hash, bounded in bytes (images are processed on the image
+    pool's workers and the offline feeder's threads). Cached tensors are shared: nothing may modify them in place."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
