@@ -1,8 +1,9 @@
 """Asyncio front of the synchronous `Engine`, for the server.
 
 One background thread (engine/engine_loop.py) owns the engine and steps it; this class queues add / abort
-commands for it and hands each request an async iterator over its outputs. Image decoding, preprocessing and
-tokenization run in a small thread pool, never on the event loop.
+commands for it and hands each request an async iterator over its outputs. Preprocessing runs off the event
+loop in a PromptPipeline (flashvlm/processing/prompt_pipeline.py): text on a few threads, images on a pool of their
+own shared fairly between requests.
 
 Outputs are cumulative (`RequestOutput.text` / `token_ids` hold everything so far), so a request keeps
 only its latest undelivered output: a slow consumer skips intermediate ones without losing anything,
@@ -15,7 +16,6 @@ and an after-step hook (`on_step`, e.g. flashvlm.server.budget.BudgetSteering.af
 from __future__ import annotations
 
 import asyncio
-import functools
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +32,7 @@ from flashvlm.engine.async_stream import (
 from flashvlm.engine.engine import Engine
 from flashvlm.engine.engine_loop import AbortCommand, AddCommand, EngineLoop
 from flashvlm.processing.input_processor import ProcessedPrompt
+from flashvlm.processing.prompt_pipeline import NO_BUDGET, ImageBudget, ImageLoader, PromptPipeline
 from flashvlm.request import InvalidRequestError, RequestOutput, SamplingParams
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineStepError", "RequestStream"]
@@ -51,7 +52,10 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: Engine | Any, *, admission: AdmissionGate | None = None,
-                 on_step: Callable[[float], None] | None = None, num_processing_threads: int = 2) -> None:
+                 on_step: Callable[[float], None] | None = None, num_processing_threads: int = 2,
+                 image_threads: int | None = None, image_decodes_per_request: int | None = None) -> None:
+        """num_processing_threads: text threads (templating, tokenizing); image_threads and
+        image_decodes_per_request size the image pool (None: from the machine, see processing/image_pool.py)."""
         if not isinstance(engine, Engine):  # an LLM: take its engine
             engine = engine.engine
         self.engine = engine
@@ -59,8 +63,8 @@ class AsyncEngine:
         # Structured-output constraints compile on their own thread (seconds for a large bounded repetition), so a
         # slow compile holds up only other constrained requests, never image preprocessing or plain prompts.
         self._grammar_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashvlm-grammar")
-        self._executor = ThreadPoolExecutor(max_workers=max(1, num_processing_threads),
-                                            thread_name_prefix="flashvlm-preprocess")
+        self.pipeline = PromptPipeline(engine.input_processor, num_processing_threads, image_threads,
+                                       image_decodes_per_request)
         self._loop = EngineLoop(engine, admission, on_step)
 
     @classmethod
@@ -80,21 +84,27 @@ class AsyncEngine:
         return self.engine.default_sampling_params()
 
     def stats(self) -> dict[str, Any]:
-        """The engine's latest numbers (as of the last step) plus the admission counters."""
+        """The engine's latest numbers (as of the last step), the admission counters and the image pool's jobs."""
         admission = self.admission.stats() if self.admission is not None else {}
-        return {**self._loop.stats(), **admission}
+        return {**self._loop.stats(), **admission, **self.pipeline.images.stats()}
 
-    # ---- preprocessing (thread pool) ----------------------------------------------------------
+    # ---- preprocessing (off the event loop) ---------------------------------------------------
     async def run_in_executor(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run blocking host work (image decode, preprocessing, tokenization) off the event loop."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        """Run blocking host work that is not image work (file reads, templating) on the text threads."""
+        return await self.pipeline.run_text(fn, *args, **kwargs)
 
-    async def process_prompt(self, prompt: str | dict[str, Any]) -> ProcessedPrompt:
-        return await self.run_in_executor(self.engine.process_prompt, prompt)
+    async def process_prompt(self, prompt: str | dict[str, Any], load: ImageLoader | None = None,
+                             budget: ImageBudget = NO_BUDGET) -> ProcessedPrompt:
+        return await self.pipeline.process(prompt, load=load, budget=budget)
 
-    async def process_chat(self, messages: list[dict], **kwargs: Any) -> ProcessedPrompt:
-        return await self.run_in_executor(self.engine.process_chat, messages, **kwargs)
+    async def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
+                           chat_template: str | None = None, load: ImageLoader | None = None,
+                           budget: ImageBudget = NO_BUDGET, tools: list[dict] | None = None) -> ProcessedPrompt:
+        """`load`: turns each image source into what the processor decodes (the server's media policy);
+        `budget`: what the request's images may cost (ImageBudgetError, a 400, past it); `tools`: the functions
+        rendered into the prompt."""
+        return await self.pipeline.process_chat(messages, mm_processor_kwargs, chat_template, load=load,
+                                                budget=budget, tools=tools)
 
     # ---- requests -----------------------------------------------------------------------------
     def reserve(self, priority: int = 0) -> AdmissionTicket | None:
@@ -176,5 +186,5 @@ class AsyncEngine:
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the engine thread (after its current step) and fail whatever is still in flight."""
         self._loop.stop(timeout_s)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.pipeline.shutdown()
         self._grammar_executor.shutdown(wait=False, cancel_futures=True)

@@ -46,12 +46,25 @@ class ProcessedPrompt:
     arrival_time: float = field(default_factory=time.time)
     """When processing began: the request's arrival as the user sees it."""
     preprocess_s: float = 0.0
-    """Host time spent decoding and preprocessing images, templating and tokenizing."""
+    """Seconds from when processing began until the prompt was ready: decoding and preprocessing images,
+    templating, tokenizing (on the server's pools, also the waits for their workers)."""
+
+
+@dataclass
+class PromptText:
+    """A prompt's text part, checked, before any image is decoded: its token ids (placeholders not yet expanded),
+    its image sources in order, and the request's processor settings."""
+
+    token_ids: list[int]
+    images: list[Any]
+    family_kwargs: dict
+    """mm_processor_kwargs the model family's image processor reads."""
+    pruning: tuple[str, float]
 
 
 class PixelCache:
-    """Thread-safe LRU of preprocessed images by mm_hash, bounded in bytes (prompts are processed on
-    executor threads by the async engine). Cached tensors are shared: nothing may modify them in place."""
+    """Thread-safe LRU of preprocessed images by mm_hash, bounded in bytes (images are processed on the image
+    pool's workers and the offline feeder's threads). Cached tensors are shared: nothing may modify them in place."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -132,6 +145,17 @@ class InputProcessor:
                       tools)
 
     def _process(self, prompt: str | dict[str, Any], mm_processor_kwargs: dict | None) -> ProcessedPrompt:
+        text = self.prompt_text(prompt, mm_processor_kwargs)
+        return self.assemble(text, [self.image_item(src, text, i) for i, src in enumerate(text.images)])
+
+    def _process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None, chat_template: str | None,
+                      add_generation_prompt: bool, tools: list[dict] | None) -> ProcessedPrompt:
+        text = self.chat_text(messages, mm_processor_kwargs, chat_template, add_generation_prompt, tools)
+        return self.assemble(text, [self.image_item(src, text, i) for i, src in enumerate(text.images)])
+
+    # ---- the three stages: text, each image, assembly (prompt_pipeline.py runs them on separate pools) ---
+    def prompt_text(self, prompt: str | dict[str, Any], mm_processor_kwargs: dict | None = None) -> PromptText:
+        """A `generate` prompt (text or token ids, optional images), tokenized and checked."""
         if isinstance(prompt, str):
             prompt = {"prompt": prompt}
         if not isinstance(prompt, dict):
@@ -155,7 +179,7 @@ class InputProcessor:
             token_ids = self._encode_text(prompt["prompt"], len(images))
         else:
             raise InvalidRequestError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
-        return self._attach_images(token_ids, images, kwargs)
+        return self._checked(token_ids, list(images), kwargs)
 
     def _check_image_count(self, n: int) -> None:
         if n > self.max_images_per_prompt:
@@ -174,8 +198,11 @@ class InputProcessor:
         self._check_image_count(num_images)  # before the family's prompt rules read the text
         return encode(self.tokenizer, text, num_images)
 
-    def _process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None, chat_template: str | None,
-                      add_generation_prompt: bool, tools: list[dict] | None) -> ProcessedPrompt:
+    def chat_text(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
+                  chat_template: str | None = None, add_generation_prompt: bool = True,
+                  tools: list[dict] | None = None) -> PromptText:
+        """OpenAI-style messages (and the tools the model may call) through the chat template, tokenized and
+        checked."""
         template = chat_template or self.checkpoint.chat_template
         if template is None:
             raise InvalidRequestError("this model has no chat template; use generate() with a raw prompt")
@@ -186,7 +213,23 @@ class InputProcessor:
                                                   **({"tools": template_tools} if template_tools else {}))
         check_unicode(text, "the templated chat")  # a role or template text the message checks did not see
         token_ids = self.tokenizer.encode(text, add_special_tokens=self._adds_special_tokens(text))
-        return self._attach_images(token_ids, images, mm_processor_kwargs or {})
+        return self._checked(token_ids, images, mm_processor_kwargs or {})
+
+    def image_item(self, src: Any, text: PromptText, index: int) -> MMItem:
+        """Decode, hash, preprocess and prune image `index` of a prompt: all of one image's heavy work, and
+        nothing that reads the other images. Thread-safe."""
+        try:
+            array = rgb_array(src)  # an RGB numpy array stays one while it needs no resize: no PIL round trip
+            image = SourceImage(pil=load_image(src)) if array is None else SourceImage(array=array)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"image {index}: {e}") from None
+        item = self.image_inputs.make_item(image, text.family_kwargs, self.pixel_cache, self.preprocess_device)
+        self._prune(item, text.pruning)
+        return item
+
+    def assemble(self, text: PromptText, items: list[MMItem]) -> ProcessedPrompt:
+        """The prompt with each image's placeholders expanded to its (kept) token count: a walk over the ids."""
+        return ProcessedPrompt(self._expand_placeholders(text.token_ids, items), items)
 
     def _adds_special_tokens(self, templated: str) -> bool:
         """Whether the tokenizer adds its special tokens (a BOS) to a templated chat: as transformers' processors
@@ -233,17 +276,14 @@ class InputProcessor:
         return out, images
 
     # ---- images --------------------------------------------------------------------------------
-    def _attach_images(self, token_ids: list[int], images: list[Any], kwargs: dict) -> ProcessedPrompt:
+    def _checked(self, token_ids: list[int], images: list[Any], kwargs: dict) -> PromptText:
         self._check_image_count(len(images))
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         setting = self._pruning_setting(kwargs)  # checked with or without images
         family_kwargs = {k: v for k, v in kwargs.items() if k not in PRUNING_KWARGS}
-        items = [self._preprocess(src, family_kwargs, i) for i, src in enumerate(images)]
-        for item in items:
-            self._prune(item, setting)
-        return ProcessedPrompt(self._expand_placeholders(token_ids, items), items)
+        return PromptText(token_ids, images, family_kwargs, setting)
 
     def _pruning_setting(self, kwargs: dict) -> PruningChoice:
         try:
@@ -274,14 +314,6 @@ class InputProcessor:
             grid = self.image_inputs.token_grid(item)
             per_image = strategy_of(self.pruning).fewest_kept(grid, self.pruning.keep_ratio)
         return [item] * max(1, budget_tokens // per_image)
-
-    def _preprocess(self, src: Any, kwargs: dict, index: int) -> MMItem:
-        try:
-            array = rgb_array(src)  # an RGB numpy array stays one while it needs no resize: no PIL round trip
-            image = SourceImage(pil=load_image(src)) if array is None else SourceImage(array=array)
-        except InvalidRequestError as e:
-            raise InvalidRequestError(f"image {index}: {e}") from None
-        return self.image_inputs.make_item(image, kwargs, self.pixel_cache, self.preprocess_device)
 
     def _expand_placeholders(self, token_ids: list[int], items: list[MMItem]) -> list[int]:
         """Each placeholder token stands for one image and is expanded, as HF's processors do, even when

@@ -62,8 +62,8 @@ def build_parser(sub: argparse._SubParsersAction) -> None:
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default: %(default)s)")
     g.add_argument("--num-processing-threads", type=int, default=2,
-                   help="threads for image decoding, preprocessing and tokenization, off the event loop "
-                        "(default: %(default)s)")
+                   help="threads for chat templating and tokenization, off the event loop; images have their own "
+                        "(--image-decode-threads) (default: %(default)s)")
     c = p.add_argument_group("connections and shutdown")
     for flag, kind, default, metavar, text in _CONNECTION_FLAGS:
         c.add_argument(flag, type=kind, default=default, metavar=metavar, help=f"{text} (default: %(default)s)")
@@ -81,6 +81,18 @@ def build_parser(sub: argparse._SubParsersAction) -> None:
                         "(default: %(default)s)")
     m.add_argument("--remote-image-timeout", type=float, default=10.0,
                    help="seconds to fetch one remote image (default: %(default)s)")
+    m.add_argument("--max-request-image-pixels", type=int, default=limits.DEFAULT_MAX_REQUEST_PIXELS,
+                   help="most pixels (width x height, from the headers) over all images of one request, checked "
+                        "before any is decoded (default: %(default)s)")
+    m.add_argument("--max-request-decode-seconds", type=float, default=limits.DEFAULT_MAX_REQUEST_DECODE_S,
+                   help="most worker seconds decoding and resizing the images of one request, summed; checked as "
+                        "each image is done (default: %(default)s)")
+    m.add_argument("--image-decode-threads", type=int, default=None, metavar="N",
+                   help="threads that load, decode and resize images, shared by all requests (default: half the "
+                        "CPUs this process may use, 1 to 32)")
+    m.add_argument("--image-decodes-per-request", type=int, default=None, metavar="N",
+                   help="most images of one request decoding at once (default: half of --image-decode-threads, "
+                        "at least 1)")
     s = p.add_argument_group("scheduling and SLA")
     s.add_argument("--max-waiting-requests", type=int, default=256,
                    help="admission bound: beyond this many requests waiting (ahead of a new one, counting its tier "
@@ -146,7 +158,13 @@ def build_serving(args: argparse.Namespace) -> tuple[Any, Any, Any]:
                                limit_images=media.parse_limit_mm_per_prompt(args.limit_mm_per_prompt),
                                allowed_local_media_path=args.allowed_local_media_path,
                                allow_remote_images=args.allow_remote_images,
-                               remote_timeout_s=args.remote_image_timeout)
+                               remote_timeout_s=args.remote_image_timeout,
+                               max_request_pixels=args.max_request_image_pixels,
+                               max_request_decode_s=args.max_request_decode_seconds)
+    for flag, value in (("--image-decode-threads", args.image_decode_threads),
+                        ("--image-decodes-per-request", args.image_decodes_per_request)):
+        if value is not None and value < 1:  # checked before the model loads
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     if policy.allowed_local_media_path is not None and not policy.allowed_local_media_path.is_dir():
         raise ValueError(f"--allowed-local-media-path {args.allowed_local_media_path!r} is not a directory")
     no_tiers = args.sla_config is not None and args.sla_config.lower() == "none"
@@ -164,7 +182,9 @@ def build_serving(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     steering = adaptive_budget(llm.engine, tiers) if adaptive and tiers is not None else None
     engine = AsyncEngine(llm.engine, admission=Admission(args.max_waiting_requests),
                          on_step=steering.after_step if steering is not None else None,
-                         num_processing_threads=args.num_processing_threads)
+                         num_processing_threads=args.num_processing_threads,
+                         image_threads=args.image_decode_threads,
+                         image_decodes_per_request=args.image_decodes_per_request)
     metrics = EngineMetrics(names[0], tiers=tiers.names if tiers else ["default"], max_model_len=engine.max_model_len)
     tracer = Tracer.create(args.otlp_traces_endpoint)
     settings = ServerSettings(served_model_names=names, model_path=args.model, media=policy, tiers=tiers,

@@ -6,7 +6,9 @@ Policy (all limits are server flags):
   symlinks cannot leave it); without that flag every path is refused (403);
 - `http(s)://` URLs only with `--allow-remote-images`, fetched with a timeout and a byte cap;
 - at most `limit_images` images per prompt; each at most `max_image_pixels` pixels, read from the image header
-  before any pixel is decoded.
+  before any pixel is decoded;
+- per request, at most `max_request_pixels` pixels over all its images (from the headers, before any is decoded)
+  and `max_request_decode_s` worker seconds decoding and resizing them (flashvlm/processing/prompt_pipeline.py).
 
 Everything is turned into bytes here, so the engine only ever decodes bytes it was handed.
 """
@@ -25,8 +27,15 @@ from urllib.parse import unquote, urlparse
 
 from PIL import Image
 
+from flashvlm.processing.prompt_pipeline import ImageBudget
 from flashvlm.request import InvalidRequestError
-from flashvlm.server.limits import DEFAULT_LIMIT_IMAGES, DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS  # noqa: E402
+from flashvlm.server.limits import (
+    DEFAULT_LIMIT_IMAGES,
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_REQUEST_DECODE_S,
+    DEFAULT_MAX_REQUEST_PIXELS,
+)
 from flashvlm.server.protocol import APIError, bad_request
 
 _SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -40,10 +49,23 @@ class MediaPolicy:
     allowed_local_media_path: Path | None = None
     allow_remote_images: bool = False
     remote_timeout_s: float = 10.0
+    max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS
+    max_request_decode_s: float = DEFAULT_MAX_REQUEST_DECODE_S
 
     def __post_init__(self) -> None:
         if self.allowed_local_media_path is not None:
             self.allowed_local_media_path = Path(self.allowed_local_media_path).resolve()
+        if self.max_request_pixels < 1:
+            raise ValueError(f"--max-request-image-pixels must be >= 1, got {self.max_request_pixels}")
+        if self.max_request_decode_s <= 0:
+            raise ValueError(f"--max-request-decode-seconds must be positive, got {self.max_request_decode_s}")
+
+    def image_budget(self) -> ImageBudget:
+        return ImageBudget(self.max_request_pixels, self.max_request_decode_s)
+
+
+BUDGET_FLAGS = {"max_pixels": "--max-request-image-pixels", "max_decode_s": "--max-request-decode-seconds"}
+"""The server flag behind each ImageBudget field, for the refusal's message."""
 
 
 def parse_limit_mm_per_prompt(value: str) -> int:
@@ -99,6 +121,15 @@ def set_image_bytes(part: dict[str, Any], data: bytes) -> None:
     """Rewrite an image_url part in place into an `image` part holding the bytes (what the engine decodes)."""
     part.clear()
     part.update({"type": "image", "image": data})
+
+
+def load_source(src: Any, index: int, policy: MediaPolicy) -> bytes:
+    """An image source of a chat request (its URL, or the bytes fetched from a remote one) as checked bytes.
+    Blocking: runs on the image pool."""
+    if isinstance(src, (bytes, bytearray)):
+        check_pixels(bytes(src), policy, index)
+        return bytes(src)
+    return load_image_bytes(src, policy, index)
 
 
 def load_image_bytes(url: str, policy: MediaPolicy, index: int) -> bytes:

@@ -97,6 +97,11 @@ class EngineMetrics:
                                           "Requests waiting to be scheduled.", m, registry=reg)
         self.kv_cache_usage_perc = Gauge(PREFIX + "kv_cache_usage_perc",
                                          "KV-cache usage; 1 means 100 percent.", m, registry=reg)
+        self.image_jobs_running = Gauge(PREFIX + "image_jobs_running",
+                                        "Images being read, decoded and resized by the image pool.", m,
+                                        registry=reg)
+        self.image_jobs_waiting = Gauge(PREFIX + "image_jobs_waiting",
+                                        "Image jobs queued for the image pool's workers.", m, registry=reg)
         self.token_budget = Gauge(PREFIX + "scheduler_token_budget",
                                   "Current token budget per step (at most max_num_batched_tokens).", m,
                                   registry=reg)
@@ -129,7 +134,8 @@ class EngineMetrics:
 
         # Touch the engine-wide children so a scrape before the first stats update shows zeros, not nothing.
         for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
-                       self.token_budget, *self.cumulative.values()):
+                       self.token_budget, self.image_jobs_running, self.image_jobs_waiting,
+                       *self.cumulative.values()):
             metric.labels(model_name)
         for tier in tiers:
             self._touch_tier(tier)
@@ -188,12 +194,14 @@ class EngineMetrics:
             self.generation_tokens.labels(*labels).inc(latest.num_output_tokens)
 
     def update_engine_stats(self, stats: Mapping[str, Any]) -> None:
-        """Refresh engine-wide metrics. Gauges: num_running, num_waiting, kv_cache_usage (0..1), token_budget.
+        """Refresh engine-wide metrics. Gauges: num_running, num_waiting, kv_cache_usage (0..1), token_budget,
+        image_jobs_running, image_jobs_waiting.
         Cumulative counts (prefix_cache_queries/hits, encoder_cache_hits/misses, num_preemptions) become counter
         increments against the last values seen, so calling this twice with the same stats changes nothing.
         Missing or None keys are left alone."""
         gauges = {"num_running": self.num_requests_running, "num_waiting": self.num_requests_waiting,
-                  "kv_cache_usage": self.kv_cache_usage_perc, "token_budget": self.token_budget}
+                  "kv_cache_usage": self.kv_cache_usage_perc, "token_budget": self.token_budget,
+                  "image_jobs_running": self.image_jobs_running, "image_jobs_waiting": self.image_jobs_waiting}
         for key, gauge in gauges.items():
             value = stats.get(key)
             if value is not None:

@@ -4,6 +4,7 @@ streamed (SSE) or collected response. Metrics and traces are recorded when a req
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
@@ -21,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from flashvlm.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
 from flashvlm.engine.scheduler import KV_CAPACITY_STOP_REASON
 from flashvlm.processing.input_processor import ProcessedPrompt
+from flashvlm.processing.prompt_pipeline import ImageBudgetError
 from flashvlm.request import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
 from flashvlm.server import limits, media
 from flashvlm.server.admission import QueueFullError
@@ -219,24 +221,18 @@ class OpenAIServing:
         messages = req.engine_messages()
         parts = media.image_parts(messages)
         media.check_image_count(len(parts), policy)
-        fetched = {i: await media.fetch_remote_image(url, policy, i)
-                   for i, (_, url) in enumerate(parts) if media.is_remote(url)}
-
-        def work() -> ProcessedPrompt:  # file reads, base64, image decode, tokenization: all off the event loop
-            for i, (part, url) in enumerate(parts):
-                if i in fetched:
-                    media.check_pixels(fetched[i], policy, i)
-                    media.set_image_bytes(part, fetched[i])
-                else:
-                    media.set_image_bytes(part, media.load_image_bytes(url, policy, i))
-            try:
-                tools = list(req.tool_mode.tools) if req.tool_mode.renders_tools else None
-                return self.engine.engine.process_chat(messages, mm_processor_kwargs=req.mm_processor_kwargs,
-                                                       tools=tools)
-            except jinja2.TemplateError as e:  # templates may refuse a conversation (raise_exception)
-                raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
-
-        return await self.engine.run_in_executor(work)
+        for i, (part, url) in enumerate(parts):
+            if media.is_remote(url):
+                media.set_image_bytes(part, await media.fetch_remote_image(url, policy, i))
+        tools = list(req.tool_mode.tools) if req.tool_mode.renders_tools else None
+        try:  # file reads, base64 and decoding run on the image pool, within the request's budget
+            return await self.engine.process_chat(messages, req.mm_processor_kwargs,
+                                                  load=functools.partial(media.load_source, policy=policy),
+                                                  budget=policy.image_budget(), tools=tools)
+        except jinja2.TemplateError as e:  # templates may refuse a conversation (raise_exception)
+            raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
+        except ImageBudgetError as e:
+            raise bad_request(f"{e} ({media.BUDGET_FLAGS[e.limit]})", "messages", "image_budget_exceeded") from None
 
     # ---- responses ----------------------------------------------------------------------------
     async def _collect(self, st: _Started, raw: Request) -> RequestOutput | None:

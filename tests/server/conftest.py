@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
+import re
 import socket
 import threading
 import time
@@ -67,6 +69,26 @@ class LiveServer:
             time.sleep(0.01)
 
 
+REJECTION_LINE = re.compile(r"^request (?P<id>\S+) rejected: (?P<status>\d{3}) (?P<code>\S+) \((?P<method>[A-Z]+) "
+                            r"(?P<path>\S+)\): (?P<reason>.+)$")
+"""The one log line of a refused request (flashvlm.server.app.log_rejection)."""
+
+
+def rejection_lines(caplog: pytest.LogCaptureFixture, request_id: str) -> list[tuple[int, dict[str, str]]]:
+    """(level, fields) of each rejection line logged for `request_id`."""
+    out = []
+    for rec in caplog.records:
+        if rec.name == "flashvlm.server" and (m := REJECTION_LINE.match(rec.getMessage())) and m["id"] == request_id:
+            out.append((rec.levelno, m.groupdict()))
+    return out
+
+
+@pytest.fixture
+def rejections(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    caplog.set_level(logging.INFO, logger="flashvlm.server")
+    yield caplog
+
+
 def png_bytes(w: int = 56, h: int = 56, seed: int = 0) -> bytes:
     arr = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
     buf = io.BytesIO()
@@ -85,16 +107,20 @@ def image_message(text: str, *uris: str) -> list[dict[str, Any]]:
 
 
 def start_server(llm: LLM, media_dir: Path, *, max_waiting_requests: int = 256, with_metrics: bool = True,
-                 tracer: Any = None, header_read_timeout_s: float = 10.0, **settings_kw: Any) -> LiveServer:
-    """`settings_kw`: more ServerSettings fields (body_read_timeout_s, max_body_bytes_in_flight)."""
+                 tracer: Any = None, header_read_timeout_s: float = 10.0, image_threads: int | None = None,
+                 image_decodes_per_request: int | None = None, media_kw: dict[str, Any] | None = None,
+                 **settings_kw: Any) -> LiveServer:
+    """`settings_kw`: more ServerSettings fields (body_read_timeout_s, max_body_bytes_in_flight); `media_kw`: more
+    MediaPolicy fields (max_request_pixels ...)."""
     from flashvlm.server.http_server import build_server
     from flashvlm.server.metrics import EngineMetrics
 
     tiers = load_tiers(None)
-    engine = AsyncEngine(llm.engine, admission=Admission(max_waiting_requests))
+    engine = AsyncEngine(llm.engine, admission=Admission(max_waiting_requests), image_threads=image_threads,
+                         image_decodes_per_request=image_decodes_per_request)
     metrics = EngineMetrics(MODEL, tiers=tiers.names, max_model_len=engine.max_model_len) if with_metrics else None
-    policy = MediaPolicy(max_image_bytes=MAX_IMAGE_BYTES, max_image_pixels=MAX_IMAGE_PIXELS,
-                         limit_images=LIMIT_IMAGES, allowed_local_media_path=media_dir)
+    policy = MediaPolicy(**{"max_image_bytes": MAX_IMAGE_BYTES, "max_image_pixels": MAX_IMAGE_PIXELS,
+                            "limit_images": LIMIT_IMAGES, "allowed_local_media_path": media_dir, **(media_kw or {})})
     settings = ServerSettings(served_model_names=[MODEL], media=policy, tiers=tiers, disable_log_requests=True,
                               **settings_kw)
     app = build_app(engine, settings, metrics, tracer)

@@ -1,12 +1,13 @@
 """Slow and stalled clients cannot hold the server: a request head must arrive within --header-read-timeout, a
 body that stops sending is answered 408 after --body-read-timeout and its bytes let go, and the bytes of bodies
 in flight across all requests stay under --max-body-bytes-in-flight (503 past it). Raw sockets play the clients;
-every wait is bounded and nothing asserts how long anything took."""
+every wait is bounded and nothing asserts how long anything took. Each refusal leaves its one rejection line."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -15,7 +16,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import LIMIT_IMAGES, MAX_IMAGE_BYTES, MODEL, LiveServer, make_llm, start_server
+from tests.server.conftest import (
+    LIMIT_IMAGES,
+    MAX_IMAGE_BYTES,
+    MODEL,
+    LiveServer,
+    make_llm,
+    rejection_lines,
+    start_server,
+)
 
 MIB = 1 << 20
 BODY_LIMIT = LIMIT_IMAGES * MAX_IMAGE_BYTES * 4 // 3 + 16 * MIB  # the per-request limit build_app derives
@@ -79,9 +88,10 @@ def test_half_sent_head_is_disconnected(guarded: LiveServer) -> None:
     assert _chat_ok(guarded)
 
 
-def test_stalled_chunked_upload_is_dropped_while_others_are_served(guarded: LiveServer) -> None:
+def test_stalled_chunked_upload_is_dropped_while_others_are_served(guarded: LiveServer,
+                                                                   rejections: pytest.LogCaptureFixture) -> None:
     with _connect(guarded) as sock:
-        sock.sendall(f"{HEAD}Transfer-Encoding: chunked\r\n\r\n".encode())
+        sock.sendall(f"{HEAD}x-request-id: stall-1\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
         sock.sendall(f"{MIB:x}\r\n".encode() + b" " * MIB + b"\r\n")
         _wait_for(lambda: _held(guarded) >= MIB, "the first chunk never counted")
         assert _chat_ok(guarded)  # served while the upload hangs
@@ -90,20 +100,27 @@ def test_stalled_chunked_upload_is_dropped_while_others_are_served(guarded: Live
     assert head.startswith(b"HTTP/1.1 408"), reply[:300]
     assert json.loads(body)["error"]["code"] == "request_timeout"
     _wait_for(lambda: _held(guarded) == 0, "the stalled body's bytes were not let go")
+    [(level, line)] = rejection_lines(rejections, "stall-1")
+    assert (level, line["status"], line["code"], line["path"]) == (logging.INFO, "408", "request_timeout", CHAT)
+    assert "stalled" in line["reason"]
 
 
-def test_concurrent_large_bodies_past_the_global_bound_get_503(guarded: LiveServer) -> None:
+def test_concurrent_large_bodies_past_the_global_bound_get_503(guarded: LiveServer,
+                                                               rejections: pytest.LogCaptureFixture) -> None:
     big = 10 * MIB  # one fits under IN_FLIGHT, two do not
     first = _connect(guarded)
     try:
         first.sendall(f"{HEAD}Content-Length: {big}\r\n\r\n{{\"model\": ".encode())
         _wait_for(lambda: _held(guarded) >= big, "the declared body was not counted")
         with _connect(guarded) as second:
-            second.sendall(f"{HEAD}Content-Length: {big}\r\n\r\n".encode())
+            second.sendall(f"{HEAD}x-request-id: busy-1\r\nContent-Length: {big}\r\n\r\n".encode())
             reply = _read_all(second)
         head, _, body = reply.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), reply[:300]
         assert json.loads(body)["error"]["code"] == "server_busy"
+        [(level, line)] = rejection_lines(rejections, "busy-1")  # a 503 of the server's state: WARNING
+        assert (level, line["status"], line["code"]) == (logging.WARNING, "503", "server_busy")
+        assert "in flight" in line["reason"]
         assert _chat_ok(guarded)  # a small body still fits
     finally:
         first.close()

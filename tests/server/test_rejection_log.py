@@ -4,35 +4,16 @@ whichever layer refused it (validation, the engine's checks, the body limit, rou
 from __future__ import annotations
 
 import logging
-import re
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
 from flashvlm.server.app import log_rejection
-from tests.server.conftest import LIMIT_IMAGES, MAX_IMAGE_BYTES, MAX_MODEL_LEN, MODEL, LiveServer
+from tests.server.conftest import LIMIT_IMAGES, MAX_IMAGE_BYTES, MAX_MODEL_LEN, MODEL, LiveServer, rejection_lines
 
-_LINE = re.compile(r"^request (?P<id>\S+) rejected: (?P<status>\d{3}) (?P<code>\S+) \((?P<method>[A-Z]+) "
-                   r"(?P<path>\S+)\): (?P<reason>.+)$")
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture
-def rejections(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    caplog.set_level(logging.INFO, logger="flashvlm.server")
-    yield caplog
-
-
-def _lines(caplog: pytest.LogCaptureFixture, request_id: str) -> list[tuple[int, dict[str, str]]]:
-    out = []
-    for rec in caplog.records:
-        if rec.name == "flashvlm.server" and (m := _LINE.match(rec.getMessage())) and m["id"] == request_id:
-            out.append((rec.levelno, m.groupdict()))
-    return out
-
 
 # (request id, path, JSON body or raw bytes, status, code, words of the reason)
 CASES: list[tuple[str, str, Any, int, str, str]] = [
@@ -59,7 +40,7 @@ def test_one_line_per_rejected_request(live: LiveServer, rejections: pytest.LogC
     raw = body if isinstance(body, bytes) else None
     r = httpx.post(live.base_url + path, content=raw, json=None if raw else body, headers=headers, timeout=30)
     assert r.status_code == status, r.text[:300]
-    lines = _lines(rejections, request_id)  # logged before the answer is sent
+    lines = rejection_lines(rejections, request_id)  # logged before the answer is sent
     assert len(lines) == 1, [rec.getMessage() for rec in rejections.records]
     level, line = lines[0]
     assert level == logging.INFO
@@ -79,7 +60,7 @@ def test_oversized_body_is_logged(live: LiveServer, rejections: pytest.LogCaptur
         while b"}}" not in reply and (chunk := sock.recv(65536)):
             reply += chunk
     assert reply.startswith(b"HTTP/1.1 413")
-    [(_, line)] = _lines(rejections, "rej-big")
+    [(_, line)] = rejection_lines(rejections, "rej-big")
     assert line["status"] == "413" and line["code"] == "request_too_large"
 
 
@@ -87,7 +68,7 @@ def test_accepted_requests_log_no_rejection(live: LiveServer, rejections: pytest
     r = httpx.post(live.v1 + "/chat/completions", headers={"x-request-id": "ok-1"}, timeout=30,
                    json={"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200
-    assert _lines(rejections, "ok-1") == []
+    assert rejection_lines(rejections, "ok-1") == []
 
 
 def test_server_faults_log_at_warning(caplog: pytest.LogCaptureFixture) -> None:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,31 +15,11 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.server.serve_process import MODEL, serve
+
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 200
-
-
-def _serve(ckpt: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "flashvlm.cli", "serve", "--model", str(ckpt), "--port", str(port),
-           "--device", "cpu", "--max-model-len", "256", "--kv-cache-tokens", "4096", "--served-model-name", "m",
-           "--disable-log-requests", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(proc.stdout.read().decode() if proc.stdout else "flashvlm serve exited")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "flashvlm serve did not come up"
-        time.sleep(0.1)
 
 
 class _Stream(threading.Thread):
@@ -56,7 +34,7 @@ class _Stream(threading.Thread):
         self.outcome: tuple[str, Any] | None = None
 
     def run(self) -> None:
-        body = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story"}], "stream": True,
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story"}], "stream": True,
                 "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream_options": {"include_usage": True}}
         usage, error, done = None, None, False
         try:
@@ -106,7 +84,7 @@ def _late_requests(base: str) -> list[str]:
     while time.monotonic() < deadline:
         try:
             r = httpx.post(base + "/v1/chat/completions", timeout=60, json={
-                "model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+                "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
         except httpx.ConnectError:
             late.append("refused")
             break
@@ -121,13 +99,10 @@ def _late_requests(base: str) -> list[str]:
     return late
 
 
-def _output(proc: subprocess.Popen[bytes]) -> str:
-    return proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_stop_signal_lets_running_requests_finish_and_exits_0(tiny_ckpt: Path, sig: signal.Signals) -> None:
-    proc, base = _serve(tiny_ckpt, "--shutdown-timeout", "120")
+    server = serve(tiny_ckpt, "--shutdown-timeout", "120")
+    proc, base = server.proc, server.base
     try:
         streams = _start_streams(base, 4)
         proc.send_signal(sig)
@@ -141,16 +116,15 @@ def test_stop_signal_lets_running_requests_finish_and_exits_0(tiny_ckpt: Path, s
             s.join(120)
         assert [s.outcome for s in streams] == [("complete", MAX_TOKENS)] * 4
         assert proc.wait(timeout=60) == 0
-        out = _output(proc)
+        out = server.output()
         assert "Traceback" not in out, out
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.stop()
 
 
 def test_grace_period_expiry_aborts_what_is_left_and_exits_0(tiny_ckpt: Path) -> None:
-    proc, base = _serve(tiny_ckpt, "--shutdown-timeout", "1")
+    server = serve(tiny_ckpt, "--shutdown-timeout", "1")
+    proc, base = server.proc, server.base
     stalled = _stalled_upload(base)
     try:
         streams = _start_streams(base, 2)
@@ -165,10 +139,8 @@ def test_grace_period_expiry_aborts_what_is_left_and_exits_0(tiny_ckpt: Path) ->
         while chunk := stalled.recv(65536):  # the server answers, then closes the connection
             reply += chunk
         assert reply.startswith(b"HTTP/1.1 503") and b"server_shutting_down" in reply, reply
-        out = _output(proc)
+        out = server.output()
         assert "Traceback" not in out, out
     finally:
         stalled.close()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.stop()
