@@ -17,7 +17,7 @@ import pytest
 
 from flashvlm.testing.random_schemas import random_schemas
 from tests.server.conftest import MODEL, LiveServer, data_uri, image_message, png_bytes
-from tests.server.test_shutdown import _serve
+from tests.server.serve_process import serve
 
 pytest.importorskip("xgrammar")
 
@@ -117,9 +117,9 @@ def test_a_bad_constraint_is_a_400_naming_it(live: LiveServer, fields: dict, par
 
 @pytest.mark.slow
 def test_100_random_schemas_with_an_image_through_flashvlm_serve(tiny_ckpt: Any) -> None:
-    proc, base = _serve(tiny_ckpt, "--max-model-len", "1024", "--kv-cache-tokens", "16384")
+    server = serve(tiny_ckpt, "--max-model-len", "1024", "--kv-cache-tokens", "16384")
     try:
-        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0, timeout=120)
         schemas = random_schemas(100, seed=21)
 
         def ask(k: int) -> tuple[dict, Any]:
@@ -135,8 +135,7 @@ def test_100_random_schemas_with_an_image_through_flashvlm_serve(tiny_ckpt: Any)
                 assert choice.finish_reason == "stop", (schema, choice.message.content)
                 jsonschema.validate(json.loads(choice.message.content), schema)
     finally:
-        proc.terminate()
-        assert proc.wait(timeout=30) is not None
+        server.stop()
 
 
 def test_a_slow_compile_holds_up_no_plain_request(live: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
