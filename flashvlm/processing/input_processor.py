@@ -9,8 +9,6 @@ one copy of the decoded image are not kept: the copy is cheaper than holding fre
 
 from __future__ import annotations
 
-import json
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -20,6 +18,7 @@ from typing import Any
 
 from flashvlm.models.loader import Checkpoint
 from flashvlm.processing.images import load_image, rgb_array
+from flashvlm.processing.messages import check_unicode, normalize_messages
 from flashvlm.processing.preprocess import SourceImage
 from flashvlm.processing.tool_prompt import check_tools, with_tools
 from flashvlm.pruning.base import PruningSettingError
@@ -33,9 +32,6 @@ from flashvlm.pruning.setting import (
 )
 from flashvlm.request import InvalidRequestError, MMItem
 
-_IMAGE_PART_TYPES = ("image", "image_url", "input_image")
-_TOOL_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name")
-"""Message fields the chat template (or processing.tool_prompt) reads besides role and content."""
 NO_PRUNING = PruningChoice()
 
 
@@ -206,7 +202,7 @@ class InputProcessor:
         template = chat_template or self.checkpoint.chat_template
         if template is None:
             raise InvalidRequestError("this model has no chat template; use generate() with a raw prompt")
-        templated, images = self.normalize_messages(messages)
+        templated, images = normalize_messages(messages)
         templated, template_tools = with_tools(templated, None if tools is None else check_tools(tools), template)
         text = self.tokenizer.apply_chat_template(templated, chat_template=template, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt,
@@ -237,43 +233,6 @@ class InputProcessor:
         were trained with it."""
         bos = self.tokenizer.bos_token
         return not (bos is not None and templated.startswith(bos))
-
-    @staticmethod
-    def normalize_messages(messages: Any) -> tuple[list[dict], list[Any]]:
-        """Messages with image parts reduced to {"type": "image"} (what chat templates test for),
-        and the image sources in order of appearance."""
-        if not isinstance(messages, list) or not messages:
-            raise InvalidRequestError("messages must be a non-empty list")
-        out, images = [], []
-        for i, msg in enumerate(messages):
-            if not isinstance(msg, dict) or "role" not in msg or ("content" not in msg and "tool_calls" not in msg):
-                raise InvalidRequestError(f"messages[{i}] must be an object with 'role' and 'content'")
-            content = msg.get("content")
-            extra = {k: msg[k] for k in _TOOL_MESSAGE_FIELDS if msg.get(k) is not None}
-            if extra:
-                check_unicode(json.dumps(extra, ensure_ascii=False), f"messages[{i}]")
-            if isinstance(content, str) or content is None:
-                check_unicode(content or "", f"messages[{i}].content")
-                out.append({"role": msg["role"], "content": content or "", **extra})
-                continue
-            if not isinstance(content, list):
-                raise InvalidRequestError(f"messages[{i}].content must be a string or a list of parts")
-            parts = []
-            for j, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind == "text":
-                    if not isinstance(part.get("text"), str):
-                        raise InvalidRequestError(f"messages[{i}].content[{j}]: text part needs a 'text' string")
-                    check_unicode(part["text"], f"messages[{i}].content[{j}].text")
-                    parts.append({"type": "text", "text": part["text"]})
-                elif kind in _IMAGE_PART_TYPES:
-                    images.append(_image_source(part, f"messages[{i}].content[{j}]"))
-                    parts.append({"type": "image"})
-                else:
-                    raise InvalidRequestError(f"messages[{i}].content[{j}]: unsupported content part type "
-                                              f"{kind!r} (supported: text, image_url, image)")
-            out.append({"role": msg["role"], "content": parts, **extra})
-        return out, images
 
     # ---- images --------------------------------------------------------------------------------
     def _checked(self, token_ids: list[int], images: list[Any], kwargs: dict) -> PromptText:
@@ -355,18 +314,6 @@ class InputProcessor:
         return out
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def check_unicode(text: str, where: str) -> None:
-    """Refuse a lone UTF-16 surrogate (JSON's "\\ud800" escape without its pair): it is no Unicode character, has
-    no UTF-8 encoding and so no tokens. Replacing it would silently change the prompt, so it is refused."""
-    found = _SURROGATE.search(text)
-    if found is not None:
-        raise InvalidRequestError(f"{where} holds a lone UTF-16 surrogate (U+{ord(found.group()):04X} at character "
-                                  f"{found.start()}), which is not valid Unicode text; send valid UTF-8")
-
-
 def _timed(fn, *args) -> ProcessedPrompt:
     arrival, t0 = time.time(), time.perf_counter()
     processed = fn(*args)
@@ -420,18 +367,3 @@ def _runs_of(ids: list[int], tok: int) -> list[tuple[int, int]]:
             j += 1
         runs.append((i, j - i))
         i = j
-
-
-def _image_source(part: dict, where: str) -> Any:
-    if part.get("type") == "image_url":
-        url = part.get("image_url")
-        url = url.get("url") if isinstance(url, dict) else url
-        if not isinstance(url, str) or not url:
-            raise InvalidRequestError(f"{where}: image_url part needs image_url.url (a data URI or a file path)")
-        if url.startswith(("http://", "https://")):
-            raise InvalidRequestError(f"{where}: http(s) image URLs are not fetched; send a data URI")
-        return url
-    src = part.get("image", part.get("image_url"))
-    if src is None:
-        raise InvalidRequestError(f"{where}: image part has no 'image'")
-    return src

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import secrets
 import time
@@ -20,7 +19,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from flashvlm.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
-from flashvlm.engine.scheduler import KV_CAPACITY_STOP_REASON
 from flashvlm.processing.input_processor import ProcessedPrompt
 from flashvlm.processing.prompt_pipeline import ImageBudgetError
 from flashvlm.request import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
@@ -28,6 +26,7 @@ from flashvlm.server import limits, media
 from flashvlm.server.admission import QueueFullError
 from flashvlm.server.chat_output import ChatDeltas, assistant_message, chat_finish_reason
 from flashvlm.server.logprobs import LogprobsFormatter
+from flashvlm.server.outputs import finish_reason, response_usage, sse_event
 from flashvlm.server.protocol import (
     APIError,
     ChatChoice,
@@ -36,10 +35,8 @@ from flashvlm.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    UsageInfo,
     bad_request,
     to_sampling_params,
-    usage,
 )
 from flashvlm.server.sse import SSEResponse
 from flashvlm.server.tool_protocol import ToolMode
@@ -107,10 +104,10 @@ class OpenAIServing:
         messages = [assistant_message(c.text, req.tool_mode) for c in final.outputs]
         choices = [ChatChoice(index=c.index, message=m,
                               logprobs=None if c.logprobs is None else self.logprobs.chat(c.logprobs),
-                              finish_reason=chat_finish_reason(_finish_reason(c), bool(m.tool_calls)),
+                              finish_reason=chat_finish_reason(finish_reason(c), bool(m.tool_calls)),
                               stop_reason=c.stop_reason) for c, m in zip(final.outputs, messages)]
         body = ChatCompletionResponse(id=f"chatcmpl-{st.base_id}", model=st.model, choices=choices,
-                                      usage=_usage(final))
+                                      usage=response_usage(final))
         return JSONResponse(body.model_dump())
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
@@ -122,9 +119,9 @@ class OpenAIServing:
             return Response(status_code=499)
         choices = [CompletionChoice(index=c.index, text=c.text,
                                     logprobs=None if c.logprobs is None else self.logprobs.completion(c.logprobs),
-                                    finish_reason=_finish_reason(c), stop_reason=c.stop_reason)
+                                    finish_reason=finish_reason(c), stop_reason=c.stop_reason)
                    for c in final.outputs]
-        body = CompletionResponse(id=f"cmpl-{st.base_id}", model=st.model, choices=choices, usage=_usage(final))
+        body = CompletionResponse(id=f"cmpl-{st.base_id}", model=st.model, choices=choices, usage=response_usage(final))
         return JSONResponse(body.model_dump())
 
     # ---- admission and preprocessing ----------------------------------------------------------
@@ -269,7 +266,7 @@ class OpenAIServing:
         def chunk(index: int, delta: dict[str, Any], finish: str | None = None, tokens: Logprobs = None) -> str:
             logprobs = None if tokens is None else self.logprobs.chat(tokens)
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model,
+            return sse_event({"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model,
                          "choices": [choice], **extra})
 
         def text_chunks(index: int, text: str, tokens: Logprobs) -> str:
@@ -279,7 +276,7 @@ class OpenAIServing:
 
         def last_chunks(c: CompletionOutput, tokens: Logprobs) -> str:
             rest = "".join(chunk(c.index, d) for d in choices[c.index].finish())
-            reason = chat_finish_reason(_finish_reason(c), choices[c.index].num_calls > 0)
+            reason = chat_finish_reason(finish_reason(c), choices[c.index].num_calls > 0)
             return rest + chunk(c.index, {}, reason, tokens)
 
         for index in range(st.params.n):
@@ -288,8 +285,8 @@ class OpenAIServing:
             if piece:
                 yield piece
         if st.include_usage and st.final is not None:
-            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model,
-                        "choices": [], "usage": _usage(st.final).model_dump()})
+            yield sse_event({"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model,
+                        "choices": [], "usage": response_usage(st.final).model_dump()})
         yield "data: [DONE]\n\n"
 
     async def _completion_events(self, st: _Started) -> AsyncIterator[str]:
@@ -304,15 +301,15 @@ class OpenAIServing:
             if logprobs is not None:
                 text_offset[index] += LogprobsFormatter.text_length(logprobs)
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            return _sse({"id": rid, "object": "text_completion", "created": created, "model": st.model,
+            return sse_event({"id": rid, "object": "text_completion", "created": created, "model": st.model,
                          "choices": [choice], **extra})
 
         async for piece in self._deltas(st, lambda i, text, tokens: chunk(i, text, None, tokens),
-                                        lambda c, tokens: chunk(c.index, "", _finish_reason(c), tokens)):
+                                        lambda c, tokens: chunk(c.index, "", finish_reason(c), tokens)):
             yield piece
         if st.include_usage and st.final is not None:
-            yield _sse({"id": rid, "object": "text_completion", "created": created, "model": st.model,
-                        "choices": [], "usage": _usage(st.final).model_dump()})
+            yield sse_event({"id": rid, "object": "text_completion", "created": created, "model": st.model,
+                        "choices": [], "usage": response_usage(st.final).model_dump()})
         yield "data: [DONE]\n\n"
 
     async def _deltas(self, st: _Started, content: Callable[[int, str, Logprobs], str],
@@ -348,7 +345,7 @@ class OpenAIServing:
                     final = out
         except (EngineStepError, EngineDeadError) as e:
             error = e
-            yield _sse({"error": {"message": str(e), "type": "server_error", "param": None,
+            yield sse_event({"error": {"message": str(e), "type": "server_error", "param": None,
                                   "code": "engine_error"}})
         except BaseException as e:  # cancelled: the client went away
             error = e
@@ -387,23 +384,6 @@ _REJECT_REASONS = {400: "invalid", 403: "forbidden", 404: "unknown_model", 429: 
 # How a handler learns that its client went away: cancelled by the disconnect watcher, its SSE generator closed,
 # or a write to the closed socket failing.
 _CLIENT_GONE = (asyncio.CancelledError, GeneratorExit, OSError)
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def _finish_reason(out: CompletionOutput) -> str:
-    # The scheduler ends a request that outgrew the whole KV cache; to the client that is a length limit.
-    if out.finish_reason == "abort" and out.stop_reason == KV_CAPACITY_STOP_REASON:
-        return "length"
-    return out.finish_reason or "stop"
-
-
-def _usage(out: RequestOutput) -> UsageInfo:
-    # The prompt counts once, however many completions share it; completion tokens are summed over them.
-    return usage(len(out.prompt_token_ids), out.num_output_tokens, getattr(out, "num_cached_tokens", 0) or 0,
-                 getattr(out, "num_image_tokens", 0), getattr(out, "num_image_tokens_kept", 0))
 
 
 async def _wait_disconnect(raw: Request) -> None:
