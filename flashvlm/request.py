@@ -108,7 +108,7 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs must be StructuredOutputsParams (or a dict of its fields), got "
                           f"{type(self.structured_outputs).__name__}")
-            self.structured_outputs.validate()
+            # Frozen and validated when built: not again here, which dataclasses.replace (one per sample) re-runs.
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -60,9 +60,10 @@ class AsyncEngine:
             engine = engine.engine
         self.engine = engine
         self.admission = admission
-        # Structured-output constraints compile on their own thread (seconds for a large bounded repetition), so a
-        # slow compile holds up only other constrained requests, never image preprocessing or plain prompts.
-        self._grammar_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashvlm-grammar")
+        # Structured-output constraints compile on their own threads (seconds for a large bounded repetition), so a
+        # slow compile holds up only other constrained requests, never image preprocessing or plain prompts; two,
+        # so one slow schema does not hold up every other one.
+        self._grammar_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flashvlm-grammar")
         self.pipeline = PromptPipeline(engine.input_processor, num_processing_threads, image_threads,
                                        image_decodes_per_request)
         self._loop = EngineLoop(engine, admission, on_step)

@@ -201,6 +201,12 @@ class Engine:
         """Every request added and not yet finished (waiting, preempted or running)."""
         return list(self._tracked)
 
+    def unscheduled_request_ids(self) -> list[str]:
+        """Unfinished requests none of whose open samples the scheduler still holds: a step that failed after the
+        scheduler finished them and before their outputs were made leaves such requests behind."""
+        return [rid for rid, tracked in self._tracked.items()
+                if all(self.scheduler.get_request(s.request.request_id) is None for s in tracked.samples if not s.done)]
+
     def running_request_ids(self) -> list[str]:
         """Requests with a sample in the running batch."""
         ids = (self._samples[sid][0].request_id for sid in self.scheduler.running_request_ids())

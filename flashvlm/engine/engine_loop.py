@@ -198,7 +198,7 @@ class EngineLoop:
                 self._on_step = None
 
     def _fail_batch(self, error: Exception) -> None:
-        failed = self.engine.running_request_ids()
+        failed = list(dict.fromkeys(self.engine.running_request_ids() + self.engine.unscheduled_request_ids()))
         if not failed or self._consecutive_failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
             failed = self.engine.unfinished_request_ids()
         err = EngineStepError(f"the engine failed while running this request: {type(error).__name__}: {error}")

@@ -43,16 +43,20 @@ def default_share(threads: int) -> int:
     return max(1, threads // 2)
 
 
+def check_pool_sizes(threads: int | None, per_request: int | None) -> None:
+    """`flashvlm serve --image-decode-threads` and `--image-decodes-per-request` (None: sized from the machine)."""
+    for flag, value in (("--image-decode-threads", threads), ("--image-decodes-per-request", per_request)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+
+
 class ImagePool:
     """`threads` daemon workers; `per_request`: most jobs of one session running at once."""
 
     def __init__(self, threads: int | None = None, per_request: int | None = None) -> None:
+        check_pool_sizes(threads, per_request)
         self.threads = default_image_threads() if threads is None else threads
-        if self.threads < 1:
-            raise ValueError(f"image decode threads must be >= 1, got {self.threads}")
         self.per_request = default_share(self.threads) if per_request is None else per_request
-        if self.per_request < 1:
-            raise ValueError(f"image decodes per request must be >= 1, got {self.per_request}")
         self._cond = threading.Condition()
         self._ring: deque[ImageSession] = deque()
         """Sessions with jobs waiting, in the order workers serve them."""

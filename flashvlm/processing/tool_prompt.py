@@ -76,10 +76,10 @@ def _call_with_object_arguments(call: Any, index: int) -> dict[str, Any]:
 
 def _hermes_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for message in messages:
+    for i, message in enumerate(messages):
         role = message.get("role")
         if role == "tool":
-            block = f"<tool_response>\n{_text_of(message.get('content'))}\n</tool_response>"
+            block = f"<tool_response>\n{_text_of(message.get('content'), i)}\n</tool_response>"
             if out and out[-1].get("_tool_results"):
                 out[-1]["content"] += "\n" + block
             else:
@@ -87,7 +87,7 @@ def _hermes_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         if role == "assistant" and message.get("tool_calls"):
             calls = [_call_with_object_arguments(c, i) for i, c in enumerate(message["tool_calls"])]
-            text = _text_of(message.get("content"))
+            text = _text_of(message.get("content"), i)
             blocks = [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
                                  ensure_ascii=False) for c in calls]
             text += "".join(f"\n<tool_call>\n{b}\n</tool_call>" for b in blocks)
@@ -106,12 +106,14 @@ def _with_signatures(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
     return [{"role": "system", "content": preamble}, *messages]
 
 
-def _text_of(content: Any) -> str:
-    """The text of a message's content: a string, or the text parts of a list (tool results carry no images)."""
+def _text_of(content: Any, index: int) -> str:
+    """The text of message `index`'s content: a string, or a list of text parts. Its images would lose their place
+    in this convention, so they are refused (before any image is decoded)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    raise InvalidRequestError("a tool or assistant message's content must be a string or a list of text parts")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(p["text"] for p in content)
+    raise InvalidRequestError(f"messages[{index}]: a tool message's or tool-calling assistant turn's content must be "
+                              "text (a string or text parts) for this model's chat template")

@@ -23,14 +23,14 @@ def assistant_message(text: str, mode: ToolMode) -> AssistantMessage:
 
 def forced_calls(text: str, mode: ToolMode) -> list[ToolCall]:
     """The calls of an output held to `mode.forced_call_schema()`: the named function with the output as its
-    arguments, or the listed calls for `required`. None when the output was cut off before it was whole (then the
-    text is returned as content)."""
+    arguments (whole or, when max_tokens cut it, as far as it got: what the stream sent), or the listed calls for
+    `required`, none when the list was cut off before it was whole (the text is then returned as content)."""
+    if mode.choice == "named":
+        return [ToolCall(mode.function or "", text)]
     try:
         value = json.loads(text)
     except ValueError:
         return []
-    if mode.choice == "named":
-        return [ToolCall(mode.function or "", text)]
     try:
         return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
     except (KeyError, TypeError):  # not the schema's shape: only when the engine ran without the constraint

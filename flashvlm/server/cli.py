@@ -145,6 +145,7 @@ def build_serving(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from flashvlm.engine.async_engine import AsyncEngine
     from flashvlm.llm import LLM
     from flashvlm.models.default import DEFAULT_MODEL_NAME
+    from flashvlm.processing.image_pool import check_pool_sizes
     from flashvlm.server import media
     from flashvlm.server.admission import Admission
     from flashvlm.server.app import build_app
@@ -161,10 +162,7 @@ def build_serving(args: argparse.Namespace) -> tuple[Any, Any, Any]:
                                remote_timeout_s=args.remote_image_timeout,
                                max_request_pixels=args.max_request_image_pixels,
                                max_request_decode_s=args.max_request_decode_seconds)
-    for flag, value in (("--image-decode-threads", args.image_decode_threads),
-                        ("--image-decodes-per-request", args.image_decodes_per_request)):
-        if value is not None and value < 1:  # checked before the model loads
-            raise ValueError(f"{flag} must be >= 1, got {value}")
+    check_pool_sizes(args.image_decode_threads, args.image_decodes_per_request)  # before the model loads
     if policy.allowed_local_media_path is not None and not policy.allowed_local_media_path.is_dir():
         raise ValueError(f"--allowed-local-media-path {args.allowed_local_media_path!r} is not a directory")
     no_tiers = args.sla_config is not None and args.sla_config.lower() == "none"

@@ -59,9 +59,9 @@ class ServerSettings:
     body_read_timeout_s: float = limits.DEFAULT_BODY_READ_TIMEOUT_S
     max_body_bytes_in_flight: int = limits.DEFAULT_MAX_BODY_BYTES_IN_FLIGHT
     enable_docs: bool = False
+    """Serve /docs and /redoc: pages whose scripts the browser fetches from a CDN, so off unless asked for."""
     tool_call_parser: str = "hermes"
     """How calls are read out of a chat answer with tools (server/tool_calls.py:TOOL_CALL_PARSERS)."""
-    """Serve /docs and /redoc: pages whose scripts the browser fetches from a CDN, so off unless asked for."""
 
 
 @dataclass

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,8 @@ from flashvlm.structured.params import StructuredOutputsParams
 
 COMPILE_CACHE_BYTES = 256 << 20
 """xgrammar's cache of compiled grammars (a schema's grammar on a 150k vocabulary is a few MB)."""
+COMPILED_CACHE_ENTRIES = 64
+"""Compiled grammars kept by constraint text: a repeated schema (every ticket of a form) skips its compile."""
 COMPILE_THREADS = 2
 """Threads one compile may use; the server compiles on a thread of its own, never on the engine's."""
 FILL_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -99,6 +102,8 @@ class GrammarEngine:
         self._compiler: Any = None
         self._batch: Any = None
         self._lock = threading.Lock()
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        """Compiled grammars by StructuredOutputsParams.cache_key, least recently used first."""
 
     @staticmethod
     def available() -> bool:
@@ -122,8 +127,23 @@ class GrammarEngine:
             return self._compiler
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
-        """The compiled grammar of `spec` (cached); an invalid schema, regex or grammar raises
-        InvalidRequestError naming it."""
+        """The compiled grammar of `spec`; an invalid schema, regex or grammar raises InvalidRequestError naming it.
+        Cached here by the constraint's text, so the grammar thread's compile serves the engine thread's matchers
+        (one per sample): xgrammar caches only its last step, not the schema-to-grammar conversion before it."""
+        key = spec.cache_key()
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return compiled
+        compiled = self._compile(spec)
+        with self._lock:
+            self._compiled[key] = compiled
+            while len(self._compiled) > COMPILED_CACHE_ENTRIES:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: StructuredOutputsParams) -> Any:
         compiler = self._get_compiler()
         kind = spec.kind
         try:

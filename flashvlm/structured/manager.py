@@ -86,8 +86,9 @@ class StructuredOutputs:
             return None
         behind = [requests[i] for i in rows
                   if self._matchers[requests[i].request_id].num_accepted != len(requests[i].output_token_ids)]
-        if behind:  # tokens that reached a request without the engine's advance (not expected): catch up
-            self.advance(behind)
+        if behind:  # every sampled token goes through the engine's advance before the next step's mask
+            raise RuntimeError(f"structured outputs: the grammar of {behind[0].request_id} has not accepted all its "
+                               "output tokens before its next step")
         bitmask = torch.full((len(rows), words_per_row(self.vocab_size)), -1, dtype=torch.int32)
         live: list[Matcher] = []
         live_rows: list[int] = []

@@ -16,6 +16,10 @@ MAX_CHOICES = 1024
 """Most alternatives one `choice` constraint may list."""
 MAX_CONSTRAINT_CHARS = 1 << 20
 """Longest schema (as JSON), regex or grammar accepted: compiling is per request and runs on the host."""
+MAX_SCHEMA_PROPERTIES = 512
+"""Object properties a JSON schema may declare in all (nested ones count): xgrammar's compile time grows faster
+than their number (600 bounded-string properties take about 0.5 s on a 2-core host, 3,000 over a minute), and a
+compile holds up the other constrained requests."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,10 @@ class StructuredOutputsParams:
                 raise bad(f"json schema must be an object, got {type(schema).__name__}")
             if len(self.schema_text()) > MAX_CONSTRAINT_CHARS:
                 raise bad(f"json schema is longer than {MAX_CONSTRAINT_CHARS} characters")
+            num_properties = _count_properties(schema)
+            if num_properties > MAX_SCHEMA_PROPERTIES:
+                raise bad(f"json schema has {num_properties} properties; at most {MAX_SCHEMA_PROPERTIES} are "
+                          "compiled (the grammar's compile time grows faster than the property count)")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -86,7 +94,32 @@ class StructuredOutputsParams:
                 raise bad("choice must be a list of non-empty strings")
 
     def schema_text(self) -> str:
-        """The JSON schema as JSON text, keys in their given order: the output's properties follow it."""
-        if isinstance(self.json, str):
-            return json.dumps(json.loads(self.json))
-        return json.dumps(self.json)
+        """The JSON schema as JSON text, keys in their given order: the output's properties follow it. Computed once
+        (a schema may be a megabyte; the engine thread asks for it per sample)."""
+        cached = self.__dict__.get("_schema_text")
+        if cached is None:
+            cached = json.dumps(json.loads(self.json) if isinstance(self.json, str) else self.json)
+            self.__dict__["_schema_text"] = cached  # frozen: the memo bypasses __setattr__, as cached_property does
+        return cached
+
+    def cache_key(self) -> tuple[str, str]:
+        """What identifies the compiled grammar: the kind and its text."""
+        kind = self.kind
+        text = {"json": self.schema_text, "json_object": lambda: "", "regex": lambda: self.regex,
+                "choice": lambda: json.dumps(self.choice), "grammar": lambda: self.grammar}[kind]()
+        return kind, text or ""
+
+
+def _count_properties(schema: Any) -> int:
+    """The `properties` entries of `schema` and of every schema nested in it."""
+    count, stack = 0, [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            props = node.get("properties")
+            if isinstance(props, dict):
+                count += len(props)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return count

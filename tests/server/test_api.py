@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flashvlm.server.app import build_app
 from flashvlm.server.serving import ServerSettings
-from tests.server.conftest import MODEL, LiveServer, data_uri, image_message, png_bytes
+from tests.server.conftest import MODEL, LiveServer, data_uri, image_message, make_llm, png_bytes, start_server
 
 GREEDY = {"temperature": 0.0}
 
@@ -209,6 +211,43 @@ def test_engine_fault_fails_only_its_request(live: LiveServer, monkeypatch: pyte
     stats = live.wait_idle()
     assert stats["num_step_failures"] >= 2 and stats["num_free_blocks"] == stats["num_usable_blocks"]
     assert httpx.get(live.base_url + "/health").status_code == 200
+
+
+@pytest.fixture
+def wide(tiny_ckpt: Path, media_dir: Path) -> Iterator[LiveServer]:
+    """A server whose requests may run for thousands of tokens."""
+    server = start_server(make_llm(tiny_ckpt, max_model_len=4096), media_dir)
+    yield server
+    server.stop()
+
+
+def test_a_fault_after_the_scheduler_finished_a_request_still_answers_it(wide: LiveServer,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that fails after the scheduler's update has finished a request (it left the running batch, its output
+    not made yet) fails that request too, beside the running ones, instead of leaving its client waiting."""
+    live = wide
+    scheduler = live.engine.engine.scheduler
+    real = scheduler.update
+
+    def update_then_fail(out: Any, sampled: Any) -> Any:
+        changed = real(out, sampled)
+        if any(r.request_id.startswith("lateboom") and r.is_finished for r in changed):
+            raise RuntimeError("injected fault after update")
+        return changed
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    with httpx.stream("POST", live.v1 + "/chat/completions", timeout=60,
+                      json={**body, "max_tokens": 3000, "ignore_eos": True, "stream": True}) as long_stream:
+        lines = long_stream.iter_lines()
+        while '"content":""' in next(lines) or not scheduler.running_request_ids():
+            pass  # until the long request decodes: it is in the running batch when the fault comes
+        monkeypatch.setattr(scheduler, "update", update_then_fail)
+        r = httpx.post(live.v1 + "/chat/completions", json={**body, "max_tokens": 1, "request_id": "lateboom"},
+                       timeout=30)
+        monkeypatch.setattr(scheduler, "update", real)
+    assert r.status_code == 500 and "injected fault after update" in r.json()["error"]["message"]
+    stats = wide.wait_idle()
+    assert stats["num_free_blocks"] == stats["num_usable_blocks"]
 
 
 def test_api_key_and_no_tiers(live: LiveServer) -> None:

@@ -111,5 +111,5 @@ def test_sizes_come_from_the_machine_and_are_checked() -> None:
     assert [default_share(n) for n in (1, 2, 3, 8)] == [1, 1, 1, 4]
     with pytest.raises(ValueError, match="threads"):
         ImagePool(threads=0)
-    with pytest.raises(ValueError, match="per request"):
+    with pytest.raises(ValueError, match="decodes-per-request"):
         ImagePool(threads=1, per_request=0)

@@ -67,6 +67,34 @@ def test_compile_errors_name_the_constraint(tokenizer) -> None:
             engine.compile(spec)
 
 
+def test_a_constraint_compiles_once_however_often_it_is_asked_for(tokenizer, monkeypatch) -> None:
+    import xgrammar as xgr
+
+    engine = GrammarEngine(tokenizer, VOCAB, (tokenizer.eos_token_id,))
+    conversions = []
+    real = xgr.Grammar.from_json_schema
+    monkeypatch.setattr(xgr.Grammar, "from_json_schema", lambda *a, **k: conversions.append(1) or real(*a, **k))
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}}
+    first = engine.compile(Constraint(json=schema))
+    assert engine.compile(Constraint(json=dict(schema))) is first  # an equal schema: the same compiled grammar
+    assert engine.compile(Constraint(json='{"properties": {"a": {"type": "string", "maxLength": 3}}, '
+                                           '"type": "object"}')) is not first  # another key order: another output
+    assert len(conversions) == 2
+
+
+def test_schemas_with_too_many_properties_are_refused() -> None:
+    from flashvlm.structured.params import MAX_SCHEMA_PROPERTIES
+
+    def schema(n: int) -> dict:
+        half = {f"p{i}": {"type": "integer"} for i in range(n // 2)}
+        return {"type": "object", "properties": {"nested": {"type": "object", "properties": half},
+                                                 **{f"q{i}": {"type": "string"} for i in range(n - n // 2 - 1)}}}
+
+    Constraint(json=schema(MAX_SCHEMA_PROPERTIES))
+    with pytest.raises(InvalidRequestError, match=f"at most {MAX_SCHEMA_PROPERTIES}"):
+        Constraint(json=schema(MAX_SCHEMA_PROPERTIES + 1))
+
+
 def test_missing_xgrammar_is_an_invalid_request(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     real_import = builtins.__import__
 
@@ -118,7 +146,8 @@ def test_advance_accepts_each_token_once_and_replays_when_behind(tokenizer, mana
     other.output_token_ids.append(z)
     assert manager.advance([req, other]) == (["a", "b"], [])  # outside the grammar, either path
     other.output_token_ids[1:] = [ids[1]]
-    assert manager.bitmask([other]) is not None and manager._matchers["b"].num_accepted == 2  # caught up
+    with pytest.raises(RuntimeError, match="has not accepted"):  # a token the engine's advance never saw
+        manager.bitmask([other])
     manager.drop("a")
     manager.drop("b")
 

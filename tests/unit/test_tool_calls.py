@@ -132,3 +132,13 @@ def test_bad_history_arguments_are_refused() -> None:
         {"type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]
     with pytest.raises(InvalidRequestError, match="arguments is not JSON"):
         with_tools(history, None, "{{ messages }}")
+
+
+def test_images_in_tool_turns_are_refused_where_the_convention_has_no_place_for_them() -> None:
+    history = [{"role": "user", "content": "Look"},
+               {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "a chart:"},
+                                                                  {"type": "image"}]}]
+    with pytest.raises(InvalidRequestError, match=r"messages\[1\]: .* must be text"):
+        with_tools(history, None, "{{ messages }}")
+    messages, _ = with_tools(history, None, "{% for t in tools %}{% endfor %}")  # the template places them
+    assert messages[1]["content"][1] == {"type": "image"}

@@ -42,18 +42,18 @@ def routing_keys(path: str, body: bytes, block_chars: int) -> RoutingKeys:
     """The keys of a POST to `path` with this body (NO_KEYS for other routes and unreadable bodies)."""
     if path not in ROUTED_PATHS or not body:
         return NO_KEYS
-    try:
+    try:  # a body nested too deep for the parser (RecursionError) routes like any unreadable one
         payload = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        if not isinstance(payload, dict):
+            return NO_KEYS
+        images: list[int] = []
+        if path == "/v1/chat/completions":
+            text = _chat_text(payload.get("messages"), images)
+        else:
+            prompt = payload.get("prompt")
+            text = prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"))
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return NO_KEYS
-    if not isinstance(payload, dict):
-        return NO_KEYS
-    images: list[int] = []
-    if path == "/v1/chat/completions":
-        text = _chat_text(payload.get("messages"), images)
-    else:
-        prompt = payload.get("prompt")
-        text = prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"))
     return RoutingKeys(prefix=_block_keys(text, block_chars), images=tuple(dict.fromkeys(images)))
 
 
