@@ -21,7 +21,9 @@ from typing import Any
 from flashvlm.models.loader import Checkpoint
 from flashvlm.processing.images import load_image, rgb_array
 from flashvlm.processing.preprocess import SourceImage
+from flashvlm.processing.qwen_video import VIDEO_KWARGS
 from flashvlm.processing.tool_prompt import check_tools, with_tools
+from flashvlm.processing.video import load_video
 from flashvlm.pruning.base import PruningSettingError
 from flashvlm.pruning.setting import (
     NO_GRID_EXAMPLES,
@@ -34,6 +36,7 @@ from flashvlm.pruning.setting import (
 from flashvlm.request import InvalidRequestError, MMItem
 
 _IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+_VIDEO_PART_TYPES = ("video", "video_url")
 _TOOL_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name")
 """Message fields the chat template (or processing.tool_prompt) reads besides role and content."""
 NO_PRUNING = PruningChoice()
@@ -100,6 +103,8 @@ class InputProcessor:
         self.image_inputs = checkpoint.family.image_inputs(checkpoint)
         """The model family's image part: one picture to one MMItem."""
         self.image_processor = self.image_inputs.processor
+        self.video_inputs = checkpoint.family.video_inputs(checkpoint)
+        """The family's video part (processing/qwen_video.py), None for a model without video input."""
         self.pixel_cache = PixelCache(pixel_cache_bytes)
         """Preprocessed pixels of recent images; pixel_cache_bytes=0 turns it off."""
         self._image_token = self.tokenizer.convert_ids_to_tokens(image_token_id)
@@ -136,12 +141,16 @@ class InputProcessor:
             prompt = {"prompt": prompt}
         if not isinstance(prompt, dict):
             raise InvalidRequestError(f"a prompt must be a str or a dict, got {type(prompt).__name__}")
-        unknown = set(prompt) - {"prompt", "prompt_token_ids", "images", "image", "mm_processor_kwargs"}
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "images", "image", "videos", "video",
+                                 "mm_processor_kwargs"}
         if unknown:
             raise InvalidRequestError(f"unknown prompt field(s): {sorted(unknown)}")
         images = prompt.get("images", prompt.get("image", []))
         if not isinstance(images, (list, tuple)):
             images = [images]
+        videos = prompt.get("videos", [prompt["video"]] if "video" in prompt else [])
+        if not isinstance(videos, (list, tuple)):
+            videos = [videos]
         kwargs = {**(mm_processor_kwargs or {}), **(prompt.get("mm_processor_kwargs") or {})}
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
@@ -155,7 +164,7 @@ class InputProcessor:
             token_ids = self._encode_text(prompt["prompt"], len(images))
         else:
             raise InvalidRequestError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
-        return self._attach_images(token_ids, images, kwargs)
+        return self._attach_images(token_ids, images, kwargs, videos)
 
     def _check_image_count(self, n: int) -> None:
         if n > self.max_images_per_prompt:
@@ -179,14 +188,14 @@ class InputProcessor:
         template = chat_template or self.checkpoint.chat_template
         if template is None:
             raise InvalidRequestError("this model has no chat template; use generate() with a raw prompt")
-        templated, images = self.normalize_messages(messages)
+        templated, images, videos = self.normalize_messages(messages)
         templated, template_tools = with_tools(templated, None if tools is None else check_tools(tools), template)
         text = self.tokenizer.apply_chat_template(templated, chat_template=template, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt,
                                                   **({"tools": template_tools} if template_tools else {}))
         check_unicode(text, "the templated chat")  # a role or template text the message checks did not see
         token_ids = self.tokenizer.encode(text, add_special_tokens=self._adds_special_tokens(text))
-        return self._attach_images(token_ids, images, mm_processor_kwargs or {})
+        return self._attach_images(token_ids, images, mm_processor_kwargs or {}, videos)
 
     def _adds_special_tokens(self, templated: str) -> bool:
         """Whether the tokenizer adds its special tokens (a BOS) to a templated chat: as transformers' processors
@@ -196,12 +205,12 @@ class InputProcessor:
         return not (bos is not None and templated.startswith(bos))
 
     @staticmethod
-    def normalize_messages(messages: Any) -> tuple[list[dict], list[Any]]:
-        """Messages with image parts reduced to {"type": "image"} (what chat templates test for),
-        and the image sources in order of appearance."""
+    def normalize_messages(messages: Any) -> tuple[list[dict], list[Any], list[Any]]:
+        """Messages with image and video parts reduced to {"type": "image"} / {"type": "video"} (what chat
+        templates test for), and the image and the video sources in order of appearance."""
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list")
-        out, images = [], []
+        out, images, videos = [], [], []
         for i, msg in enumerate(messages):
             if not isinstance(msg, dict) or "role" not in msg or ("content" not in msg and "tool_calls" not in msg):
                 raise InvalidRequestError(f"messages[{i}] must be an object with 'role' and 'content'")
@@ -226,24 +235,66 @@ class InputProcessor:
                 elif kind in _IMAGE_PART_TYPES:
                     images.append(_image_source(part, f"messages[{i}].content[{j}]"))
                     parts.append({"type": "image"})
+                elif kind in _VIDEO_PART_TYPES:
+                    videos.append(_video_source(part, f"messages[{i}].content[{j}]"))
+                    parts.append({"type": "video"})
                 else:
                     raise InvalidRequestError(f"messages[{i}].content[{j}]: unsupported content part type "
-                                              f"{kind!r} (supported: text, image_url, image)")
+                                              f"{kind!r} (supported: text, image_url, image, video_url, video)")
             out.append({"role": msg["role"], "content": parts, **extra})
-        return out, images
+        return out, images, videos
 
     # ---- images --------------------------------------------------------------------------------
-    def _attach_images(self, token_ids: list[int], images: list[Any], kwargs: dict) -> ProcessedPrompt:
+    def _attach_images(self, token_ids: list[int], images: list[Any], kwargs: dict,
+                       videos: Sequence[Any] = ()) -> ProcessedPrompt:
         self._check_image_count(len(images))
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         setting = self._pruning_setting(kwargs)  # checked with or without images
-        family_kwargs = {k: v for k, v in kwargs.items() if k not in PRUNING_KWARGS}
+        family_kwargs = {k: v for k, v in kwargs.items() if k not in PRUNING_KWARGS and k not in VIDEO_KWARGS}
         items = [self._preprocess(src, family_kwargs, i) for i, src in enumerate(images)]
         for item in items:
             self._prune(item, setting)
-        return ProcessedPrompt(self._expand_placeholders(token_ids, items), items)
+        token_ids = self._expand_placeholders(token_ids, items)
+        if videos or (self.video_inputs is not None and self.video_inputs.video_token_id in token_ids):
+            token_ids = self._attach_videos(token_ids, videos, kwargs, items)
+        return ProcessedPrompt(token_ids, sorted(items, key=lambda it: it.offset))
+
+    def _attach_videos(self, token_ids: list[int], videos: Sequence[Any], kwargs: dict,
+                       items: list[MMItem]) -> list[int]:
+        """Expand each video placeholder token into its frames' tokens (`QwenVideoInputs.make_items`), shifting the
+        image items after it, and add the frame items to `items`. Video tokens are never pruned."""
+        if self.video_inputs is None:
+            raise InvalidRequestError("this model takes no video input")
+        tok = self.video_inputs.video_token_id
+        starts = [i for i, t in enumerate(token_ids) if t == tok]
+        if len(starts) != len(videos):
+            raise InvalidRequestError(f"prompt has {len(starts)} video placeholder token(s) but {len(videos)} "
+                                      "video(s) were given; put one placeholder per video")
+        video_kwargs = {k: v for k, v in kwargs.items() if k in VIDEO_KWARGS}
+        if self.pruning.strategy != "none" or any(k in kwargs for k in PRUNING_KWARGS):
+            raise InvalidRequestError("token pruning does not apply to video input yet")
+        out: list[int] = []
+        previous, frames = 0, []
+        image_offsets = [item.offset for item in items]
+        for index, (start, src) in enumerate(zip(starts, videos)):
+            try:
+                video_items, ids = self.video_inputs.make_items(load_video(src), video_kwargs, self.tokenizer)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"video {index}: {e}") from None
+            out.extend(token_ids[previous:start])
+            for item, original in zip(items, image_offsets):  # images after this placeholder move by its expansion
+                if original > start:
+                    item.offset += len(ids) - 1
+            for item in video_items:
+                item.offset += len(out)
+            out.extend(ids)
+            frames += video_items
+            previous = start + 1
+        out.extend(token_ids[previous:])
+        items += frames
+        return out
 
     def _pruning_setting(self, kwargs: dict) -> PruningChoice:
         try:
@@ -388,6 +439,19 @@ def _runs_of(ids: list[int], tok: int) -> list[tuple[int, int]]:
             j += 1
         runs.append((i, j - i))
         i = j
+
+
+def _video_source(part: dict, where: str) -> Any:
+    if part.get("type") == "video_url":
+        url = part.get("video_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str) or not url:
+            raise InvalidRequestError(f"{where}: video_url part needs video_url.url (a data URI or a file path)")
+        return url
+    src = part.get("video")
+    if src is None:
+        raise InvalidRequestError(f"{where}: video part has no 'video'")
+    return src
 
 
 def _image_source(part: dict, where: str) -> Any:

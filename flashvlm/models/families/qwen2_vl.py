@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from flashvlm.models.interfaces import VLModel
     from flashvlm.models.loader import Checkpoint
     from flashvlm.processing.qwen_image import QwenImageInputs, QwenImageProcessor
+    from flashvlm.processing.qwen_video import QwenVideoInputs
     from flashvlm.request import MMItem
 
 
@@ -41,8 +42,15 @@ class QwenVLFamily(ModelFamily):
 
         return QwenImageInputs(self.image_processor(checkpoint.preprocessor_config or {}))
 
+    def video_inputs(self, checkpoint: Checkpoint) -> QwenVideoInputs:
+        from flashvlm.processing.qwen_video import QwenVideoInputs
+
+        return QwenVideoInputs.for_family(self.image_processor(checkpoint.preprocessor_config or {}),
+                                          checkpoint.hf_config, qwen3=self.model_type == "qwen3_vl",
+                                          qwen25=self.qwen25)
+
     def vision_patches(self, item: MMItem) -> int:
-        return math.prod(item.layout)
+        return math.prod(item.layout[:3])  # a video frame's layout adds its index and time interval
 
     def baseline_image_inputs(self, items: list[MMItem], input_ids: torch.Tensor, attention_mask: torch.Tensor,
                               image_token_id: int, device: str) -> dict[str, torch.Tensor]:
