@@ -229,6 +229,8 @@ class OpenAIServing:
                     media.set_image_bytes(part, fetched[i])
                 else:
                     media.set_image_bytes(part, media.load_image_bytes(url, policy, i))
+            for i, part in enumerate(media.video_parts(messages)):
+                media.set_video_source(part, policy, i)
             try:
                 tools = list(req.tool_mode.tools) if req.tool_mode.renders_tools else None
                 return self.engine.engine.process_chat(messages, mm_processor_kwargs=req.mm_processor_kwargs,

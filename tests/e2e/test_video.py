@@ -183,7 +183,8 @@ def test_decoded_file_sampling_and_cache_key(family: Family, tmp_path) -> None:
     ("data:image/png;base64,AAAA", {}, "media type"),
     ([np.zeros((64, 64, 3), np.uint8)] * 8, {"max_frames": 4}, "max_frames"),
     ([np.zeros((64, 64, 3), np.uint8)] * 2, {"max_frames": 10_000}, "limit"),
-    ([np.zeros((64, 64, 3), np.uint8)] * 2, {"video_min_pixels": 10 ** 9, "video_max_pixels": 10 ** 9}, "exceeds|planned"),
+    ([np.zeros((64, 64, 3), np.uint8)] * 2, {"video_min_pixels": 10 ** 9, "video_max_pixels": 10 ** 9},
+     "exceeds|planned"),
     ([np.zeros((64, 64, 3), np.uint8), np.zeros((32, 64, 3), np.uint8)], {}, "share one size"),
 ])
 def test_bad_video(family: Family, bad, kwargs, match) -> None:
