@@ -63,7 +63,7 @@ def mrope_positions(length: int, images: list[tuple[int, int, int, int, int, str
     An entry may add (frame index, time interval): a video's frame after its first continues the video's run, its
     temporal position base + index * interval, its spatial ones the first frame's (transformers' video grid)."""
     positions = np.empty((3, length), dtype=np.int64)
-    cursor, pos, top, base = 0, 0, 0, 0
+    cursor, pos, base = 0, 0, 0
     for entry in sorted(images):
         offset, end, t, gh, gw, name = entry[:6]
         frame, interval = entry[6:8] if len(entry) > 6 else (0, 1)
@@ -85,12 +85,13 @@ def mrope_positions(length: int, images: list[tuple[int, int, int, int, int, str
         if chosen is not None and len(chosen) != end - offset:
             raise ValueError(f"image {name}: {len(chosen)} kept indices for {end - offset} placeholders")
         positions[:, offset:end] = grid[:, :end - offset] if chosen is None else grid[:, chosen]
-        top = max(top, int(grid.max()) + 1)  # the whole grid's, kept or not: the delta is pruning's too
         pos = base + max(gh, gw)
         cursor = end
     positions[:, cursor:] = np.arange(pos, pos + length - cursor)
-    top = max(top, int(positions.max()) + 1) if length else 0
-    return torch.from_numpy(positions), top - length if length else 0
+    # Generated tokens continue from the position after the prompt's last one, as transformers' generate steps
+    # position_ids (and its get_rope_index over prompt + output agrees). For images that is also the largest
+    # position + 1, whichever tokens a pruned image kept; a video's time axis can run past it.
+    return torch.from_numpy(positions), pos - cursor
 
 
 class Qwen2VLForConditionalGeneration(VLModel):
