@@ -274,7 +274,8 @@ class InputProcessor:
                                       "video(s) were given; put one placeholder per video")
         video_kwargs = {k: v for k, v in kwargs.items() if k in VIDEO_KWARGS}
         if self.pruning.strategy != "none" or any(k in kwargs for k in PRUNING_KWARGS):
-            raise InvalidRequestError("token pruning does not apply to video input yet")
+            raise InvalidRequestError("image token pruning (mm_token_pruning) does not apply to videos; "
+                                      "use mm_processor_kwargs video_pruning")
         out: list[int] = []
         previous, frames = 0, []
         image_offsets = [item.offset for item in items]

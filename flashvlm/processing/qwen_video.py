@@ -19,12 +19,22 @@ import torch
 from PIL import Image
 
 from flashvlm.processing.hashing import hash_pixels
+from flashvlm.processing.preprocess import token_blocks
 from flashvlm.processing.qwen_grid import largest_qwen_grid
 from flashvlm.processing.qwen_image import QwenImageProcessor, smart_resize
 from flashvlm.processing.video import Video
+from flashvlm.pruning.base import TokenGrid
+from flashvlm.pruning.temporal import (
+    DEFAULT_TEMPORAL_THRESHOLD,
+    TEMPORAL,
+    temporal_kept,
+    temporal_pruning,
+    validate_temporal_threshold,
+)
 from flashvlm.request import InvalidRequestError, MMItem
 
-VIDEO_KWARGS = ("fps", "max_frames", "min_frames", "video_min_pixels", "video_max_pixels")
+VIDEO_KWARGS = ("fps", "max_frames", "min_frames", "video_min_pixels", "video_max_pixels", "video_pruning",
+                "video_pruning_threshold")
 DEFAULT_FPS = 2.0
 """Target sampling rate for a decoded file (Qwen3VLVideoProcessor's default; Qwen2-VL's processor samples
 nothing by default, which for a file means every frame)."""
@@ -39,6 +49,9 @@ class VideoSettings:
     max_frames: int
     min_pixels: int
     max_pixels: int
+    pruning: str = "none"
+    """"temporal": drop tokens that repeat the previous temporal patch's (pruning/temporal.py)."""
+    threshold: float = DEFAULT_TEMPORAL_THRESHOLD
 
 
 @dataclass
@@ -84,6 +97,14 @@ class QwenVideoInputs:
         s = VideoSettings(float(number("fps", DEFAULT_FPS, float)), number("min_frames", 4, int),
                           number("max_frames", MAX_FRAMES, int), number("video_min_pixels", self.min_pixels, int),
                           number("video_max_pixels", self.max_pixels, int))
+        s.pruning = kwargs.get("video_pruning", "none")
+        if s.pruning not in ("none", TEMPORAL):
+            raise InvalidRequestError(f"video_pruning must be 'none' or '{TEMPORAL}', got {s.pruning!r}")
+        try:
+            s.threshold = validate_temporal_threshold(kwargs.get("video_pruning_threshold",
+                                                                 DEFAULT_TEMPORAL_THRESHOLD))
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
         if s.max_frames > MAX_FRAMES:
             raise InvalidRequestError(f"max_frames={s.max_frames} exceeds the limit of {MAX_FRAMES}")
         if s.min_frames > s.max_frames or s.min_pixels > s.max_pixels:
@@ -161,6 +182,8 @@ class QwenVideoInputs:
         grid = (1, h // proc.patch_size, w // proc.patch_size)
         items: list[MMItem] = []
         ids: list[int] = []
+        merged = TokenGrid.from_patch_grid(grid, proc.merge_size)
+        previous = None
         for k in range(len(frames) // t):
             if self.qwen3:
                 ids += tokenizer.encode(f"<{times[k]:.1f} seconds>", add_special_tokens=False) + [self.vision_start_id]
@@ -168,6 +191,13 @@ class QwenVideoInputs:
             item = MMItem(mm_hash=f"{video_hash}:{k}", pixel_values=pixels, offset=len(ids),
                           num_tokens=proc.num_image_tokens(grid), layout=grid if self.qwen3 else (*grid, k, interval),
                           image_size=(width, height), pixel_decoder=self.decode_compact)
+            if s.pruning == TEMPORAL:
+                blocks = torch.cat([token_blocks(frame, proc.factor) for frame in pixels], dim=1)
+                kept = None if previous is None else temporal_kept(previous, blocks, s.threshold)
+                if kept is not None:
+                    item.pruning = temporal_pruning(merged, s.threshold, kept)
+                    item.num_tokens = len(kept)
+                previous = blocks
             items.append(item)
             ids += [self.video_token_id] * item.num_tokens
             if self.qwen3:

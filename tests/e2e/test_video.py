@@ -128,6 +128,12 @@ def test_short_clip(family: Family) -> None:
            [_clip(4, 2 * f, 3 * f, seed=1)])
 
 
+def test_chunked_prefill_through_a_clip(family: Family) -> None:
+    """A step budget of 8 tokens splits the clip's frames and their tokens across steps."""
+    f = _factor(family)
+    _check(family, _llm(family, max_num_batched_tokens=8), f"look{VIDEO}now", [_clip(6, 2 * f, 4 * f, seed=13)])
+
+
 def test_more_patches_than_rows(family: Family) -> None:
     """Five temporal patches of 2x2 tokens: the time axis runs past the spatial ones, so generation continues
     from the position after the prompt's last, not from the largest."""
@@ -247,3 +253,46 @@ def test_model_without_video(tmp_path) -> None:
         llm.engine.process_prompt({"prompt": "x", "videos": [_clip(2, 64, 64, 0)]})
     with pytest.raises(InvalidRequestError, match="no video input"):
         llm.engine.process_chat([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x.mp4"}}]}])
+
+
+def test_temporal_pruning(family: Family) -> None:
+    """video_pruning 'temporal': a still clip keeps the first temporal patch and one token of each later one, the
+    text after the video keeps its position (the rope delta), and a repeat request reuses the prefix cache; a
+    clip whose every token changes is not pruned and gives exactly the unpruned output."""
+    f = _factor(family)
+    llm = _llm(family)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    still = [_image(2 * f, 2 * f, seed=11)] * 6
+    base = {"prompt": f"{VIDEO}what moves?", "videos": [still], "mm_processor_kwargs": dict(KWARGS)}
+    pruned = {**base, "mm_processor_kwargs": {**KWARGS, "video_pruning": "temporal"}}
+    full_items = llm.engine.process_prompt(base).mm_items
+    items = llm.engine.process_prompt(pruned).mm_items
+    assert [it.num_tokens for it in items] == [full_items[0].num_tokens, 1, 1]
+    p_full = llm.engine.model.prompt_positions(llm.engine.process_prompt(base).prompt_token_ids, full_items)
+    processed = llm.engine.process_prompt(pruned)
+    p_pruned = llm.engine.model.prompt_positions(processed.prompt_token_ids, processed.mm_items)
+    assert p_pruned[0][:, -1].tolist() == p_full[0][:, -1].tolist()  # the last text token sits where it did
+    llm.engine.runner.record_logits = True
+    outs = llm.generate([base, pruned], params)
+    logits = [llm.engine.runner.recorded_logits[o.request_id][0] for o in outs]
+    print(f"{family.name}: still clip, temporal pruning keeps {sum(it.num_tokens for it in items)} of "
+          f"{sum(it.num_tokens for it in full_items)} tokens; first-step logits differ by at most "
+          f"{(logits[0] - logits[1]).abs().max().item():.4f}, greedy tokens "
+          f"{'equal' if outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids else 'differ'}")
+    again = llm.generate(pruned, params)[0]
+    assert again.outputs[0].token_ids == outs[1].outputs[0].token_ids
+    chunked = _llm(family, max_num_batched_tokens=8).generate(pruned, params)[0]
+    assert chunked.outputs[0].token_ids == outs[1].outputs[0].token_ids
+    moving = {**pruned, "videos": [_clip(4, 2 * f, 2 * f, seed=12)]}
+    assert all(it.pruning is None for it in llm.engine.process_prompt(moving).mm_items)
+    a, b = llm.generate([moving, {**moving, "mm_processor_kwargs": KWARGS}], params)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("kwargs,match", [({"video_pruning": "evs"}, "video_pruning"),
+                                          ({"video_pruning_threshold": -1}, "threshold"),
+                                          ({"mm_token_pruning": "pool"}, "mm_token_pruning")])
+def test_bad_video_pruning(family: Family, kwargs, match) -> None:
+    with pytest.raises(InvalidRequestError, match=match):
+        _llm(family).engine.process_prompt({"prompt": VIDEO, "videos": [_clip(2, 64, 64, 0)],
+                                            "mm_processor_kwargs": kwargs})
