@@ -23,7 +23,6 @@ from flashvlm.processing.images import load_image, rgb_array
 from flashvlm.processing.preprocess import SourceImage
 from flashvlm.processing.qwen_video import VIDEO_KWARGS
 from flashvlm.processing.tool_prompt import check_tools, with_tools
-from flashvlm.processing.video import load_video
 from flashvlm.pruning.base import PruningSettingError
 from flashvlm.pruning.setting import (
     NO_GRID_EXAMPLES,
@@ -281,7 +280,7 @@ class InputProcessor:
         image_offsets = [item.offset for item in items]
         for index, (start, src) in enumerate(zip(starts, videos)):
             try:
-                video_items, ids = self.video_inputs.make_items(load_video(src), video_kwargs, self.tokenizer)
+                video_items, ids = self.video_inputs.make_items(src, video_kwargs, self.tokenizer)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"video {index}: {e}") from None
             out.extend(token_ids[previous:start])

@@ -22,7 +22,7 @@ from flashvlm.processing.hashing import hash_pixels
 from flashvlm.processing.preprocess import token_blocks
 from flashvlm.processing.qwen_grid import largest_qwen_grid
 from flashvlm.processing.qwen_image import QwenImageProcessor, smart_resize
-from flashvlm.processing.video import Video
+from flashvlm.processing.video import load_video
 from flashvlm.pruning.base import TokenGrid
 from flashvlm.pruning.temporal import (
     DEFAULT_TEMPORAL_THRESHOLD,
@@ -114,19 +114,14 @@ class QwenVideoInputs:
         return s
 
     # ---- sampling and resize -------------------------------------------------------------------
-    def sample(self, video: Video, s: VideoSettings) -> np.ndarray:
-        """Indices of the frames kept (all of a list of frames, which comes sampled)."""
-        total = len(video.frames)
-        if video.sampled:
-            if total > s.max_frames:
-                raise InvalidRequestError(f"{total} frames given; max_frames is {s.max_frames}")
-            return np.arange(total)
+    def sample(self, total: int, fps: float, s: VideoSettings) -> np.ndarray:
+        """Indices of the frames a file of `total` frames at `fps` keeps."""
         if self.qwen3:  # Qwen3VLVideoProcessor.sample_frames
-            n = min(max(int(total / video.fps * s.fps), s.min_frames), s.max_frames, total)
+            n = min(max(int(total / fps * s.fps), s.min_frames), s.max_frames, total)
             return np.linspace(0, total - 1, n).round().astype(int)
         t = self.processor.temporal_patch_size  # Qwen2VLVideoProcessor.sample_frames
         most = math.floor(min(s.max_frames, total) / t) * t
-        n = math.floor(min(max(total / video.fps * s.fps, s.min_frames), most, total) / t) * t
+        n = math.floor(min(max(total / fps * s.fps, s.min_frames), most, total) / t) * t
         if n <= 0:
             return np.arange(total)
         return torch.arange(0, total, total / n).int().numpy()
@@ -158,17 +153,19 @@ class QwenVideoInputs:
         return target
 
     # ---- items ---------------------------------------------------------------------------------
-    def make_items(self, video: Video, kwargs: dict, tokenizer: Any) -> tuple[list[MMItem], list[int]]:
+    def make_items(self, src: Any, kwargs: dict, tokenizer: Any) -> tuple[list[MMItem], list[int]]:
         """(the video's frame items, each with its offset within the expansion; what its one placeholder token
         becomes: Qwen2/2.5-VL's run of video tokens, Qwen3-VL's ``<t seconds><|vision_start|>tokens<|vision_end|>``
         per temporal patch, inside the template's own vision_start/vision_end as transformers writes it)."""
         s = self.settings(kwargs)
-        indices = self.sample(video, s)
-        frames = video.frames[indices]
+        video = load_video(src, lambda total, fps: self.sample(total, fps, s))
+        if video.given_as_frames and video.total > s.max_frames:
+            raise InvalidRequestError(f"{video.total} frames given; max_frames is {s.max_frames}")
+        frames, indices = video.frames, video.indices
         n, height, width, _ = frames.shape
         h, w = self.target_size(n, height, width, s)
         proc, t = self.processor, self.processor.temporal_patch_size
-        sampled_fps = video.fps if video.sampled else len(indices) / len(video.frames) * video.fps
+        sampled_fps = video.fps if video.given_as_frames else len(indices) / video.total * video.fps
         interval = 1 if self.tokens_per_second is None else self.tokens_per_second * int(t / sampled_fps)
         params = {**proc.processor_params(), "video": True, "frames": n, "min_pixels": s.min_pixels,
                   "max_pixels": s.max_pixels, "interval": interval, "qwen3": self.qwen3, "fps": video.fps,

@@ -1,9 +1,12 @@
 """Load request videos into uint8 RGB frames: a file path (or ``file://``), raw bytes, a ``data:video/...;base64`` URI
 (decoded with PyAV, the optional ``video`` extra), or a list of frames already sampled (PIL images or arrays).
 
-PyAV over torchcodec: it decodes a short clip on the CPU in a few milliseconds (tests/e2e/test_video.py measures
-it), installs as one wheel with its own FFmpeg and needs no matching torch build. Every failure raises
-``InvalidRequestError``, so the server answers 400 and other requests carry on."""
+PyAV: one wheel with its own FFmpeg, no torch build to match (torchcodec's wheels must match the installed torch,
+and it was not measured here); it decodes a 30-frame 64x64 clip in 4-70 ms on a busy 2-core host
+(tests/e2e/test_video.py prints it). A file is read twice: its packets are counted, the sampler picks frame indices
+from that count and the stream's rate, and only the picked frames are kept while decoding, so memory follows the
+sampled frames, not the file's. Every failure raises ``InvalidRequestError``, so the server answers 400 and other
+requests carry on."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import base64
 import binascii
 import io
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,38 +26,46 @@ from flashvlm.request import InvalidRequestError
 
 MAX_VIDEO_FILE_BYTES = 256 * 2**20
 MAX_DECODED_FRAMES = 100_000
-"""Frames a container may announce before it is refused unread (a header that promises millions of frames)."""
+"""Frames a file may hold (counted from its packets, before any is decoded)."""
+MAX_SAMPLED_BYTES = 2 << 30
+"""RGB bytes of the sampled frames at their source size, before the resize."""
 DEFAULT_FRAMES_FPS = 24.0
 """The rate transformers' video processors assume for frames given without metadata (VideoMetadata.sampled_fps):
 it sets Qwen2.5-VL's time positions and Qwen3-VL's timestamps for a list of frames."""
 
 
+Sampler = Callable[[int, float], np.ndarray]
+"""(frames in the file, its fps) -> the sorted indices of the frames to keep."""
+
+
 @dataclass
 class Video:
-    """Decoded frames (N, H, W, 3) uint8 with the source's frame rate; `sampled` when they came as a list of
-    frames (no further sampling)."""
+    """The kept frames (N, H, W, 3) uint8, their `indices` among the source's `total`, the source's frame rate;
+    `given_as_frames` for a list of frames (taken as already sampled: all are kept)."""
 
     frames: np.ndarray
     fps: float
-    sampled: bool
+    indices: np.ndarray
+    total: int
+    given_as_frames: bool
 
 
-def load_video(src: Any) -> Video:
+def load_video(src: Any, sample: Sampler) -> Video:
     if isinstance(src, (list, tuple)):
         return _from_frames(src)
     if isinstance(src, (bytes, bytearray, memoryview)):
-        return _decode(bytes(src), "video bytes")
+        return _decode(bytes(src), "video bytes", sample)
     if isinstance(src, os.PathLike):
-        return _decode(_read(Path(src)), f"video file {str(src)!r}")
+        return _decode(_read(Path(src)), f"video file {str(src)!r}", sample)
     if isinstance(src, str):
         if src.startswith("data:"):
-            return _decode(_data_uri(src), "data URI video")
+            return _decode(_data_uri(src), "data URI video", sample)
         if src.startswith(("http://", "https://")):
             raise InvalidRequestError("remote video URLs are not fetched; send a data URI or bytes")
         path = src[len("file://"):] if src.startswith("file://") else src
         if not path:
             raise InvalidRequestError("empty string given as a video source")
-        return _decode(_read(Path(path)), f"video file {path!r}")
+        return _decode(_read(Path(path)), f"video file {path!r}", sample)
     raise InvalidRequestError(f"unsupported video source type {type(src).__name__}: give a file path, bytes, a "
                               "data:video/...;base64 URI or a list of frames")
 
@@ -73,7 +85,8 @@ def _from_frames(frames: list | tuple) -> Video:
             raise InvalidRequestError(f"frame {i}: {e}") from None
     if len({a.shape for a in arrays}) > 1:
         raise InvalidRequestError(f"the frames of a video must share one size, got {sorted({a.shape for a in arrays})}")
-    return Video(np.stack(arrays), DEFAULT_FRAMES_FPS, sampled=True)
+    frames = np.stack(arrays)
+    return Video(frames, DEFAULT_FRAMES_FPS, np.arange(len(frames)), len(frames), given_as_frames=True)
 
 
 def _read(path: Path) -> bytes:
@@ -105,7 +118,7 @@ def _data_uri(uri: str) -> bytes:
     return data
 
 
-def _decode(data: bytes, what: str) -> Video:
+def _decode(data: bytes, what: str, sample: Sampler) -> Video:
     av = _pyav()
     if not data:
         raise InvalidRequestError(f"{what} is empty")
@@ -114,21 +127,32 @@ def _decode(data: bytes, what: str) -> Video:
             if not container.streams.video:
                 raise InvalidRequestError(f"{what} has no video stream")
             stream = container.streams.video[0]
-            if stream.frames and stream.frames > MAX_DECODED_FRAMES:
-                raise InvalidRequestError(f"{what} has {stream.frames} frames; the limit is {MAX_DECODED_FRAMES}")
             rate = stream.average_rate or stream.guessed_rate
-            frames = []
-            for frame in container.decode(stream):
-                frames.append(frame.to_ndarray(format="rgb24"))
-                if len(frames) > MAX_DECODED_FRAMES:
+            fps = float(rate) if rate else DEFAULT_FRAMES_FPS
+            total = 0
+            for packet in container.demux(stream):
+                total += packet.size > 0
+                if total > MAX_DECODED_FRAMES:
                     raise InvalidRequestError(f"{what} has over {MAX_DECODED_FRAMES} frames")
+        if total == 0:
+            raise InvalidRequestError(f"{what} holds no frame")
+        indices = sample(total, fps)
+        if len(indices) * stream.width * stream.height * 3 > MAX_SAMPLED_BYTES:
+            raise InvalidRequestError(f"{what}: {len(indices)} frames of {stream.width}x{stream.height} are over "
+                                      f"{MAX_SAMPLED_BYTES >> 20} MiB; lower max_frames or fps")
+        wanted, frames, index = set(indices.tolist()), [], 0
+        with av.open(io.BytesIO(data), mode="r") as container:
+            for frame in container.decode(container.streams.video[0]):
+                if index in wanted:
+                    frames.append(frame.to_ndarray(format="rgb24"))
+                index += 1
     except InvalidRequestError:
         raise
     except (av.FFmpegError, ValueError, OSError) as e:
         raise InvalidRequestError(f"cannot decode {what}: {e}") from None
-    if not frames:
-        raise InvalidRequestError(f"{what} holds no decodable frame")
-    return Video(np.stack(frames), float(rate) if rate else DEFAULT_FRAMES_FPS, sampled=False)
+    if len(frames) != len(indices):  # packets that decode to no frame (or more than one)
+        raise InvalidRequestError(f"{what}: {index} frames decoded where {total} packets were counted")
+    return Video(np.stack(frames), fps, np.asarray(indices), total, given_as_frames=False)
 
 
 def _pyav():

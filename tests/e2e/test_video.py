@@ -144,7 +144,7 @@ def test_more_patches_than_rows(family: Family) -> None:
     # A file at 2 fps, sampled at 2 fps: every frame, one second a temporal patch. (Frames given as a list are at
     # 24 fps, where transformers 5.17 truncates Qwen2.5-VL's 1/12 s a patch to 0 and later releases do not.)
     data = _encode(_clip(10, 2 * f, 2 * f, seed=9), fps=2)
-    frames = list(load_video(data).frames)
+    frames = list(load_video(data, lambda total, fps: np.arange(total)).frames)
     _check(family, _llm(family), f"{VIDEO}go", [frames], sources=[data], metadata=[(2.0, list(range(10)))],
            totals=[10])
 
@@ -186,7 +186,7 @@ def test_decoded_file_sampling_and_cache_key(family: Family, tmp_path) -> None:
     from flashvlm.processing.video import load_video
 
     t0 = time.perf_counter()
-    video = load_video(data)
+    video = load_video(data, lambda total, fps: np.arange(total))
     print(f"PyAV decode of 30 64x64 mpeg4 frames: {1e3 * (time.perf_counter() - t0):.1f} ms")
     assert video.frames.shape == (30, 64, 64, 3) and video.fps == 10
     path = tmp_path / "clip.mp4"
@@ -213,7 +213,7 @@ def test_decoded_file_time_positions(family: Family) -> None:
     from flashvlm.processing.video import load_video
 
     data = _encode(_clip(30, 2 * _factor(family), 2 * _factor(family), seed=8), fps=10)
-    decoded = load_video(data).frames
+    decoded = load_video(data, lambda total, fps: np.arange(total)).frames
     indices = [0, 6, 12, 17, 23, 29] if family.name == "qwen3_vl" else [0, 5, 10, 15, 20, 25]
     frames = [decoded[i] for i in indices]
     _check(family, _llm(family), f"x{VIDEO}y", [frames], sources=[data], metadata=[(10.0, indices)], totals=[30])
@@ -296,3 +296,23 @@ def test_bad_video_pruning(family: Family, kwargs, match) -> None:
     with pytest.raises(InvalidRequestError, match=match):
         _llm(family).engine.process_prompt({"prompt": VIDEO, "videos": [_clip(2, 64, 64, 0)],
                                             "mm_processor_kwargs": kwargs})
+
+
+def test_file_limits_and_truncation(family: Family, monkeypatch) -> None:
+    """The sampled frames' bytes are checked before any is decoded; a truncated file is a clear error or fewer
+    frames, never a crash; the engine keeps serving."""
+    pytest.importorskip("av")
+    import flashvlm.processing.video as video
+
+    llm = _llm(family)
+    data = _encode(_clip(20, 64, 64, seed=14), fps=10)
+    monkeypatch.setattr(video, "MAX_SAMPLED_BYTES", 64 * 64 * 3 * 3)
+    with pytest.raises(InvalidRequestError, match="lower max_frames or fps"):
+        llm.engine.process_prompt({"prompt": VIDEO, "videos": [data]})
+    monkeypatch.undo()
+    for cut in (len(data) // 3, 48):
+        try:
+            llm.engine.process_prompt({"prompt": VIDEO, "videos": [data[:cut]], "mm_processor_kwargs": KWARGS})
+        except InvalidRequestError as e:
+            assert "video 0" in str(e)
+    assert len(llm.generate("ok", SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
