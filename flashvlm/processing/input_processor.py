@@ -266,6 +266,9 @@ class InputProcessor:
         image items after it, and add the frame items to `items`. Video tokens are never pruned."""
         if self.video_inputs is None:
             raise InvalidRequestError("this model takes no video input")
+        if len(videos) > self.max_images_per_prompt:
+            raise InvalidRequestError(f"{len(videos)} videos in one prompt; the limit is {self.max_images_per_prompt} "
+                                      "(the images-per-prompt limit)")
         tok = self.video_inputs.video_token_id
         starts = [i for i, t in enumerate(token_ids) if t == tok]
         if len(starts) != len(videos):

@@ -67,10 +67,17 @@ class QwenVideoInputs:
     tokens_per_second: int | None = None
     min_pixels: int = 128 * 28 * 28
     max_pixels: int = 28 * 28 * 768
+    fps: float = DEFAULT_FPS
+    min_frames: int = 4
+    max_frames: int = MAX_FRAMES
 
     @classmethod
-    def for_family(cls, processor: QwenImageProcessor, cfg: Any, qwen3: bool, qwen25: bool) -> QwenVideoInputs:
+    def for_family(cls, processor: QwenImageProcessor, cfg: Any, qwen3: bool, qwen25: bool,
+                   video_config: dict | None = None) -> QwenVideoInputs:
+        """`video_config`: the checkpoint's video_preprocessor_config.json, whose pixel budget (size or
+        min/max_pixels), fps and min/max frames replace transformers' class defaults."""
         text = getattr(cfg, "text_config", cfg)
+        vc = video_config or {}
 
         def token(name: str) -> int:
             value = getattr(cfg, name, None)
@@ -79,12 +86,17 @@ class QwenVideoInputs:
         factor = processor.factor
         # transformers' class defaults (Qwen3-VL: over the whole clip), kept within the largest planned image.
         lo, hi = (128 * factor ** 2, factor ** 2 * 768)
+        size = vc.get("size") or {}
+        lo = int(vc.get("min_pixels") or size.get("shortest_edge") or lo)
+        hi = int(vc.get("max_pixels") or size.get("longest_edge") or hi)
         ceiling = max(processor.max_pixels, processor.max_pixels_limit or 0)
         if not qwen3:
             hi = min(hi, ceiling)
         return cls(processor, token("video_token_id"), token("vision_start_token_id"), token("vision_end_token_id"),
                    qwen3=qwen3, tokens_per_second=int(cfg.vision_config.tokens_per_second) if qwen25 else None,
-                   min_pixels=min(lo, hi), max_pixels=hi)
+                   min_pixels=min(lo, hi), max_pixels=hi, fps=float(vc.get("fps") or DEFAULT_FPS),
+                   min_frames=int(vc.get("min_frames") or 4), max_frames=min(int(vc.get("max_frames") or MAX_FRAMES),
+                                                                             MAX_FRAMES))
 
     # ---- options -------------------------------------------------------------------------------
     def settings(self, kwargs: dict) -> VideoSettings:
@@ -94,8 +106,8 @@ class QwenVideoInputs:
                 raise InvalidRequestError(f"{name} must be a positive {kind.__name__}, got {v!r}")
             return v
 
-        s = VideoSettings(float(number("fps", DEFAULT_FPS, float)), number("min_frames", 4, int),
-                          number("max_frames", MAX_FRAMES, int), number("video_min_pixels", self.min_pixels, int),
+        s = VideoSettings(float(number("fps", self.fps, float)), number("min_frames", self.min_frames, int),
+                          number("max_frames", self.max_frames, int), number("video_min_pixels", self.min_pixels, int),
                           number("video_max_pixels", self.max_pixels, int))
         s.pruning = kwargs.get("video_pruning", "none")
         if s.pruning not in ("none", TEMPORAL):

@@ -240,6 +240,8 @@ def test_bad_video(family: Family, bad, kwargs, match) -> None:
 
 def test_placeholder_count_mismatch(family: Family) -> None:
     llm = _llm(family)
+    with pytest.raises(InvalidRequestError, match="videos in one prompt"):
+        llm.engine.process_prompt({"prompt": VIDEO * 17, "videos": [_clip(2, 64, 64, 0)] * 17})
     with pytest.raises(InvalidRequestError, match="video placeholder"):
         llm.engine.process_prompt({"prompt": "no placeholder", "videos": [_clip(2, 64, 64, 0)]})
 
@@ -316,3 +318,22 @@ def test_file_limits_and_truncation(family: Family, monkeypatch) -> None:
         except InvalidRequestError as e:
             assert "video 0" in str(e)
     assert len(llm.generate("ok", SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
+
+
+def test_video_preprocessor_config(tmp_path) -> None:
+    """A checkpoint's video_preprocessor_config.json sets the defaults: fps 1 and max_frames 4 take 4 of a 10 s
+    clip's frames (two temporal patches); a request still overrides them."""
+    pytest.importorskip("av")
+    import json
+
+    from flashvlm.testing.tiny_checkpoints import build_qwen2_vl
+
+    path = build_qwen2_vl(tmp_path / "q", seed=0)
+    (path / "video_preprocessor_config.json").write_text(json.dumps({"fps": 1, "max_frames": 4,
+                                                                    "min_pixels": 56 * 56}))
+    llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_tokens=1024)
+    data = _encode(_clip(20, 56, 56, seed=15), fps=2)
+    assert len(llm.engine.process_prompt({"prompt": VIDEO, "videos": [data]}).mm_items) == 2
+    items = llm.engine.process_prompt({"prompt": VIDEO, "videos": [data],
+                                       "mm_processor_kwargs": {"max_frames": 8}}).mm_items
+    assert len(items) == 4 and items[0].num_tokens == 4  # 56x56 kept: min_pixels came from the file
