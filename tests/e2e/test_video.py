@@ -283,6 +283,7 @@ def test_temporal_pruning(family: Family) -> None:
           f"{'equal' if outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids else 'differ'}")
     again = llm.generate(pruned, params)[0]
     assert again.outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert again.num_cached_tokens > 0  # the prefix cache keys frames by their hash and pruning setting
     chunked = _llm(family, max_num_batched_tokens=8).generate(pruned, params)[0]
     assert chunked.outputs[0].token_ids == outs[1].outputs[0].token_ids
     moving = {**pruned, "videos": [_clip(4, 2 * f, 2 * f, seed=12)]}
