@@ -119,7 +119,7 @@ class Qwen2VLForConditionalGeneration(VLModel):
     def _grid(self, item: MMItem) -> Grid:
         if item.layout is None:
             raise ValueError(f"image {item.mm_hash}: Qwen-VL needs the image's (t, h, w) grid as its layout")
-        t, h, w = (int(x) for x in item.layout[:3])  # a video frame's adds its index and time interval
+        t, h, w = (int(x) for x in item.layout)
         grid = (t, h, w)
         expected = self.visual.tokens_per_image(grid)
         if item.encoder_tokens != expected:
@@ -151,7 +151,7 @@ class Qwen2VLForConditionalGeneration(VLModel):
         images = []
         for item in mm_items:
             t, h, w = self._grid(item)
-            frame = tuple(item.layout[3:5])  # a video frame's index and time interval (Qwen2.5-VL's)
+            frame = () if item.frame is None else item.frame  # a video's temporal patch: (index, interval)
             images.append((item.offset, item.end, t, h // self.spatial_merge_size, w // self.spatial_merge_size,
                            item.mm_hash, *frame))
         by_offset = {mm_items[i].offset: indices for i, indices in (kept or {}).items()}

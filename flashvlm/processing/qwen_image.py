@@ -227,7 +227,7 @@ class QwenImageInputs:
     def token_grid(self, item: MMItem) -> TokenGrid:
         """The (t, h, w) patch grid divided by the merge size: the patch merger folds each merge x merge window
         into one token, and the windows come in raster order (`_patchify`)."""
-        return TokenGrid.from_patch_grid(item.layout[:3], self.processor.merge_size)
+        return TokenGrid.from_patch_grid(item.layout, self.processor.merge_size)
 
     def token_pixels(self, item: MMItem) -> torch.Tensor:
         """(tokens, F) uint8: the resized image's levels in each merged token's (patch * merge)^2 block, from the

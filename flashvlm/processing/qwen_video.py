@@ -4,8 +4,8 @@ frames), with the semantics of transformers 5.17's Qwen2VLVideoProcessor / Qwen3
 One item per temporal patch, not per video: the towers attend within a frame only (`frame_cu_seqlens`), so a
 (t, h, w) video encodes as t items of (1, h, w), and every item stays within the largest image grid the memory
 profile plans for; caches hold frames like images. Positions: Qwen2-VL and Qwen2.5-VL place a video's frames in
-one run whose temporal axis steps by `time_interval` (the layout's last two entries: frame index and interval,
-read by `mrope_positions`); Qwen3-VL writes each frame's timestamp as text before it, so each frame is positioned
+one run whose temporal axis steps by a time interval (`MMItem.frame`: the patch's index and the interval, read
+by `mrope_positions`); Qwen3-VL writes each frame's timestamp as text before it, so each frame is positioned
 like an image."""
 
 from __future__ import annotations
@@ -198,7 +198,8 @@ class QwenVideoInputs:
                 ids += tokenizer.encode(f"<{times[k]:.1f} seconds>", add_special_tokens=False) + [self.vision_start_id]
             pixels = torch.from_numpy(np.ascontiguousarray(frames[k * t:(k + 1) * t]))
             item = MMItem(mm_hash=f"{video_hash}:{k}", pixel_values=pixels, offset=len(ids),
-                          num_tokens=proc.num_image_tokens(grid), layout=grid if self.qwen3 else (*grid, k, interval),
+                          num_tokens=proc.num_image_tokens(grid), layout=grid,
+                          frame=None if self.qwen3 else (k, interval),
                           image_size=(width, height), pixel_decoder=self.decode_compact)
             if s.pruning == TEMPORAL:
                 blocks = torch.cat([token_blocks(frame, proc.factor) for frame in pixels], dim=1)

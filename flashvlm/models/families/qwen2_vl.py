@@ -55,7 +55,7 @@ class QwenVLFamily(ModelFamily):
                                           if video_config.is_file() else None)
 
     def vision_patches(self, item: MMItem) -> int:
-        return math.prod(item.layout[:3])  # a video frame's layout adds its index and time interval
+        return math.prod(item.layout)
 
     def baseline_image_inputs(self, items: list[MMItem], input_ids: torch.Tensor, attention_mask: torch.Tensor,
                               image_token_id: int, device: str) -> dict[str, torch.Tensor]:
