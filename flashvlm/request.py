@@ -144,6 +144,9 @@ class MMItem:
     None: every one does, exactly as without pruning."""
     image_size: tuple[int, int] = (0, 0)
     """Original (width, height), for reporting."""
+    frame: tuple[int, int] | None = None
+    """Set on a video's temporal patch whose prompt positions continue its video's run (Qwen2-VL, Qwen2.5-VL):
+    (its index in the video, the M-RoPE time interval between patches). Not part of the shape key."""
     pixel_decoder: Callable[[Any], Any] | None = None
     """Set when pixel_values are compact (Qwen's host path: the resized uint8 image): turns them, on whatever
     device they are, into the model-ready floats (patchify, normalize). The runner applies it on the GPU."""

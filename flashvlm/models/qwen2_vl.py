@@ -58,30 +58,40 @@ def mrope_positions(length: int, images: list[tuple[int, int, int, int, int, str
     A pruned image (end - offset below t * h * w) holds the tokens `kept[offset]` (sorted raster indices) of its
     grid, each at its own (t, h, w) position; the text after it continues as it would after the whole image, so
     text positions never depend on which tokens were kept. Without its kept indices (not chosen yet) its first
-    end - offset raster positions stand in: the runner replaces them before the image's tokens run."""
+    end - offset raster positions stand in: the runner replaces them before the image's tokens run.
+
+    An entry may add (frame index, time interval): a video's frame after its first continues the video's run, its
+    temporal position base + index * interval, its spatial ones the first frame's (transformers' video grid)."""
     positions = np.empty((3, length), dtype=np.int64)
-    cursor, pos, top = 0, 0, 0
-    for offset, end, t, gh, gw, name in sorted(images):
+    cursor, pos, base = 0, 0, 0
+    for entry in sorted(images):
+        offset, end, t, gh, gw, name = entry[:6]
+        frame, interval = entry[6:8] if len(entry) > 6 else (0, 1)
         if offset < cursor or end > length or end - offset > t * gh * gw:
             raise ValueError(f"image {name}: placeholders [{offset}, {end}) overlap another image, run past "
                              f"the prompt ({length} tokens) or outnumber its {t}x{gh}x{gw} grid")
+        if frame and offset != cursor:
+            raise ValueError(f"video frame {name}: frame {frame} does not follow the previous frame")
         positions[:, cursor:offset] = np.arange(pos, pos + offset - cursor)
         pos += offset - cursor
+        if not frame:  # an image, or a video's first frame: later frames share its spatial start
+            base = pos
         grid = np.empty((3, t, gh, gw), dtype=np.int64)
-        grid[0] = pos + np.arange(t)[:, None, None]
-        grid[1] = pos + np.arange(gh)[None, :, None]
-        grid[2] = pos + np.arange(gw)[None, None, :]
+        grid[0] = base + (frame + np.arange(t)[:, None, None]) * interval
+        grid[1] = base + np.arange(gh)[None, :, None]
+        grid[2] = base + np.arange(gw)[None, None, :]
         grid = grid.reshape(3, -1)
         chosen = kept.get(offset) if kept is not None else None
         if chosen is not None and len(chosen) != end - offset:
             raise ValueError(f"image {name}: {len(chosen)} kept indices for {end - offset} placeholders")
         positions[:, offset:end] = grid[:, :end - offset] if chosen is None else grid[:, chosen]
-        top = max(top, int(grid.max()) + 1)  # the whole grid's, kept or not: the delta is pruning's too
-        pos += max(gh, gw)
+        pos = base + max(gh, gw)
         cursor = end
     positions[:, cursor:] = np.arange(pos, pos + length - cursor)
-    top = max(top, int(positions.max()) + 1) if length else 0
-    return torch.from_numpy(positions), top - length if length else 0
+    # Generated tokens continue from the position after the prompt's last one, as transformers' generate steps
+    # position_ids (and its get_rope_index over prompt + output agrees). For images that is also the largest
+    # position + 1, whichever tokens a pruned image kept; a video's time axis can run past it.
+    return torch.from_numpy(positions), pos - cursor
 
 
 class Qwen2VLForConditionalGeneration(VLModel):
@@ -134,14 +144,16 @@ class Qwen2VLForConditionalGeneration(VLModel):
 
         Text advances all three axes together. An image's tokens take (t, h, w) coordinates over its
         merged grid, each axis offset by the position after the preceding text; the text after it
-        resumes at that offset + max(grid h, grid w). Images have t = 1, so Qwen2.5-VL's temporal
-        scaling (videos only) never applies. A pruned item's kept tokens keep their own positions (`kept`: item
+        resumes at that offset + max(grid h, grid w). A video's frames (one item per temporal patch) form one
+        run, their temporal axis stepping by the layout's interval (Qwen2.5-VL's tokens_per_second *
+        second_per_grid_t). A pruned item's kept tokens keep their own positions (`kept`: item
         index -> its kept indices; see `mrope_positions`)."""
         images = []
         for item in mm_items:
             t, h, w = self._grid(item)
+            frame = () if item.frame is None else item.frame  # a video's temporal patch: (index, interval)
             images.append((item.offset, item.end, t, h // self.spatial_merge_size, w // self.spatial_merge_size,
-                           item.mm_hash))
+                           item.mm_hash, *frame))
         by_offset = {mm_items[i].offset: indices for i, indices in (kept or {}).items()}
         return mrope_positions(len(prompt_token_ids), images, by_offset)
 

@@ -58,6 +58,10 @@ class ModelFamily:
         """The image part of `InputProcessor` for this checkpoint."""
         raise NotImplementedError
 
+    def video_inputs(self, checkpoint: Checkpoint) -> Any:
+        """The family's video part (one video to its frame items and prompt ids), or None: no video input."""
+        return None
+
     def check_checkpoint(self, checkpoint: Checkpoint) -> None:
         """Refuse (ConfigError) a checkpoint whose parts do not fit together; most families have nothing to check."""
 

@@ -20,6 +20,7 @@ from flashvlm.models.loader import Checkpoint
 from flashvlm.processing.images import load_image, rgb_array
 from flashvlm.processing.messages import check_unicode, normalize_messages
 from flashvlm.processing.preprocess import SourceImage
+from flashvlm.processing.qwen_video import VIDEO_KWARGS
 from flashvlm.processing.tool_prompt import check_tools, with_tools
 from flashvlm.pruning.base import PruningSettingError
 from flashvlm.pruning.setting import (
@@ -55,7 +56,11 @@ class PromptText:
     images: list[Any]
     family_kwargs: dict
     """mm_processor_kwargs the model family's image processor reads."""
-    pruning: tuple[str, float]
+    pruning: PruningChoice
+    videos: list[Any] = field(default_factory=list)
+    """The prompt's video sources in order (decoded when the prompt is assembled)."""
+    video_kwargs: dict = field(default_factory=dict)
+    """mm_processor_kwargs the family's video sampling reads (fps, frames, pixel limits)."""
 
 
 class PixelCache:
@@ -109,6 +114,8 @@ class InputProcessor:
         self.image_inputs = checkpoint.family.image_inputs(checkpoint)
         """The model family's image part: one picture to one MMItem."""
         self.image_processor = self.image_inputs.processor
+        self.video_inputs = checkpoint.family.video_inputs(checkpoint)
+        """The family's video part (processing/qwen_video.py), None for a model without video input."""
         self.pixel_cache = PixelCache(pixel_cache_bytes)
         """Preprocessed pixels of recent images; pixel_cache_bytes=0 turns it off."""
         self._image_token = self.tokenizer.convert_ids_to_tokens(image_token_id)
@@ -156,12 +163,16 @@ class InputProcessor:
             prompt = {"prompt": prompt}
         if not isinstance(prompt, dict):
             raise InvalidRequestError(f"a prompt must be a str or a dict, got {type(prompt).__name__}")
-        unknown = set(prompt) - {"prompt", "prompt_token_ids", "images", "image", "mm_processor_kwargs"}
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "images", "image", "videos", "video",
+                                 "mm_processor_kwargs"}
         if unknown:
             raise InvalidRequestError(f"unknown prompt field(s): {sorted(unknown)}")
         images = prompt.get("images", prompt.get("image", []))
         if not isinstance(images, (list, tuple)):
             images = [images]
+        videos = prompt.get("videos", [prompt["video"]] if "video" in prompt else [])
+        if not isinstance(videos, (list, tuple)):
+            videos = [videos]
         kwargs = {**(mm_processor_kwargs or {}), **(prompt.get("mm_processor_kwargs") or {})}
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
@@ -175,7 +186,7 @@ class InputProcessor:
             token_ids = self._encode_text(prompt["prompt"], len(images))
         else:
             raise InvalidRequestError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
-        return self._checked(token_ids, list(images), kwargs)
+        return self._checked(token_ids, list(images), kwargs, list(videos))
 
     def _check_image_count(self, n: int) -> None:
         if n > self.max_images_per_prompt:
@@ -202,14 +213,14 @@ class InputProcessor:
         template = chat_template or self.checkpoint.chat_template
         if template is None:
             raise InvalidRequestError("this model has no chat template; use generate() with a raw prompt")
-        templated, images = normalize_messages(messages)
+        templated, images, videos = normalize_messages(messages)
         templated, template_tools = with_tools(templated, None if tools is None else check_tools(tools), template)
         text = self.tokenizer.apply_chat_template(templated, chat_template=template, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt,
                                                   **({"tools": template_tools} if template_tools else {}))
         check_unicode(text, "the templated chat")  # a role or template text the message checks did not see
         token_ids = self.tokenizer.encode(text, add_special_tokens=self._adds_special_tokens(text))
-        return self._checked(token_ids, images, mm_processor_kwargs or {})
+        return self._checked(token_ids, images, mm_processor_kwargs or {}, videos)
 
     def image_item(self, src: Any, text: PromptText, index: int) -> MMItem:
         """Decode, hash, preprocess and prune image `index` of a prompt: all of one image's heavy work, and
@@ -224,8 +235,15 @@ class InputProcessor:
         return item
 
     def assemble(self, text: PromptText, items: list[MMItem]) -> ProcessedPrompt:
-        """The prompt with each image's placeholders expanded to its (kept) token count: a walk over the ids."""
-        return ProcessedPrompt(self._expand_placeholders(text.token_ids, items), items)
+        """The prompt with each image's placeholders expanded to its (kept) token count (a walk over the ids), and
+        each video's placeholder to its frames' tokens (its frames decoded here: prompt_pipeline.py runs a prompt
+        with videos on the image pool)."""
+        token_ids = self._expand_placeholders(text.token_ids, items)
+        if text.videos or (self.video_inputs is not None and self.video_inputs.video_token_id in token_ids):
+            items = list(items)
+            token_ids = self._attach_videos(token_ids, text.videos, text.video_kwargs, items)
+            items.sort(key=lambda it: it.offset)
+        return ProcessedPrompt(token_ids, items)
 
     def _adds_special_tokens(self, templated: str) -> bool:
         """Whether the tokenizer adds its special tokens (a BOS) to a templated chat: as transformers' processors
@@ -235,14 +253,57 @@ class InputProcessor:
         return not (bos is not None and templated.startswith(bos))
 
     # ---- images --------------------------------------------------------------------------------
-    def _checked(self, token_ids: list[int], images: list[Any], kwargs: dict) -> PromptText:
+    def _checked(self, token_ids: list[int], images: list[Any], kwargs: dict,
+                 videos: Sequence[Any] = ()) -> PromptText:
         self._check_image_count(len(images))
+        if videos:  # before any image is decoded
+            if self.video_inputs is None:
+                raise InvalidRequestError("this model takes no video input")
+            if len(videos) > self.max_images_per_prompt:
+                raise InvalidRequestError(f"{len(videos)} videos in one prompt; the limit is "
+                                          f"{self.max_images_per_prompt} (the images-per-prompt limit)")
+            if self.pruning.strategy != "none" or any(k in kwargs for k in PRUNING_KWARGS):
+                raise InvalidRequestError("image token pruning (mm_token_pruning) does not apply to videos; "
+                                          "use mm_processor_kwargs video_pruning")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         setting = self._pruning_setting(kwargs)  # checked with or without images
-        family_kwargs = {k: v for k, v in kwargs.items() if k not in PRUNING_KWARGS}
-        return PromptText(token_ids, images, family_kwargs, setting)
+        family_kwargs = {k: v for k, v in kwargs.items() if k not in PRUNING_KWARGS and k not in VIDEO_KWARGS}
+        video_kwargs = {k: v for k, v in kwargs.items() if k in VIDEO_KWARGS}
+        return PromptText(token_ids, images, family_kwargs, setting, list(videos), video_kwargs)
+
+    def _attach_videos(self, token_ids: list[int], videos: Sequence[Any], video_kwargs: dict,
+                       items: list[MMItem]) -> list[int]:
+        """Expand each video placeholder token into its frames' tokens (`QwenVideoInputs.make_items`), shifting the
+        image items after it, and add the frame items to `items`. Video tokens are never pruned."""
+        if self.video_inputs is None:
+            raise InvalidRequestError("this model takes no video input")
+        tok = self.video_inputs.video_token_id
+        starts = [i for i, t in enumerate(token_ids) if t == tok]
+        if len(starts) != len(videos):
+            raise InvalidRequestError(f"prompt has {len(starts)} video placeholder token(s) but {len(videos)} "
+                                      "video(s) were given; put one placeholder per video")
+        out: list[int] = []
+        previous, frames = 0, []
+        image_offsets = [item.offset for item in items]
+        for index, (start, src) in enumerate(zip(starts, videos)):
+            try:
+                video_items, ids = self.video_inputs.make_items(src, video_kwargs, self.tokenizer)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"video {index}: {e}") from None
+            out.extend(token_ids[previous:start])
+            for item, original in zip(items, image_offsets):  # images after this placeholder move by its expansion
+                if original > start:
+                    item.offset += len(ids) - 1
+            for item in video_items:
+                item.offset += len(out)
+            out.extend(ids)
+            frames += video_items
+            previous = start + 1
+        out.extend(token_ids[previous:])
+        items += frames
+        return out
 
     def _pruning_setting(self, kwargs: dict) -> PruningChoice:
         try:

@@ -11,16 +11,17 @@ from typing import Any
 from flashvlm.request import InvalidRequestError
 
 _IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+_VIDEO_PART_TYPES = ("video", "video_url")
 _TOOL_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name")
 """Message fields the chat template (or processing.tool_prompt) reads besides role and content."""
 
 
-def normalize_messages(messages: Any) -> tuple[list[dict], list[Any]]:
-    """Messages with image parts reduced to {"type": "image"} (what chat templates test for),
-    and the image sources in order of appearance."""
+def normalize_messages(messages: Any) -> tuple[list[dict], list[Any], list[Any]]:
+    """Messages with image and video parts reduced to {"type": "image"} / {"type": "video"} (what chat templates
+    test for), and the image and the video sources in order of appearance."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list")
-    out, images = [], []
+    out, images, videos = [], [], []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or "role" not in msg or ("content" not in msg and "tool_calls" not in msg):
             raise InvalidRequestError(f"messages[{i}] must be an object with 'role' and 'content'")
@@ -45,11 +46,27 @@ def normalize_messages(messages: Any) -> tuple[list[dict], list[Any]]:
             elif kind in _IMAGE_PART_TYPES:
                 images.append(_image_source(part, f"messages[{i}].content[{j}]"))
                 parts.append({"type": "image"})
+            elif kind in _VIDEO_PART_TYPES:
+                videos.append(_video_source(part, f"messages[{i}].content[{j}]"))
+                parts.append({"type": "video"})
             else:
                 raise InvalidRequestError(f"messages[{i}].content[{j}]: unsupported content part type "
-                                          f"{kind!r} (supported: text, image_url, image)")
+                                          f"{kind!r} (supported: text, image_url, image, video_url, video)")
         out.append({"role": msg["role"], "content": parts, **extra})
-    return out, images
+    return out, images, videos
+
+
+def _video_source(part: dict, where: str) -> Any:
+    if part.get("type") == "video_url":
+        url = part.get("video_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str) or not url:
+            raise InvalidRequestError(f"{where}: video_url part needs video_url.url (a data URI or a file path)")
+        return url
+    src = part.get("video")
+    if src is None:
+        raise InvalidRequestError(f"{where}: video part has no 'video'")
+    return src
 
 
 def _image_source(part: dict, where: str) -> Any:

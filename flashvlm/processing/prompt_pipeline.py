@@ -90,10 +90,15 @@ class PromptPipeline:
         arrival, t0 = time.time(), time.perf_counter()
         text = await self.run_text(text_stage)
         items: list[MMItem] = []
-        if text.images:
+        if text.images or text.videos:
             with self.images.session() as session:
-                items = await self._image_items(session, text, load, budget)
-        processed = self.processor.assemble(text, items)  # a walk over the token ids: no pool hop
+                items = await self._image_items(session, text, load, budget) if text.images else []
+                if text.videos:  # assembling decodes the videos' frames: on the image pool, in the request's share
+                    [processed] = await _all(session, [functools.partial(self.processor.assemble, text, items)])
+                else:
+                    processed = self.processor.assemble(text, items)
+        else:
+            processed = self.processor.assemble(text, items)  # a walk over the token ids: no pool hop
         processed.arrival_time, processed.preprocess_s = arrival, time.perf_counter() - t0
         return processed
 

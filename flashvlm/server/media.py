@@ -107,6 +107,24 @@ def image_parts(messages: list[dict[str, Any]]) -> list[tuple[dict[str, Any], st
     return found
 
 
+def video_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every video_url part, in order (the dicts to rewrite)."""
+    return [part for msg in messages if isinstance(msg.get("content"), list)
+            for part in msg["content"] if part.get("type") == "video_url"]
+
+
+def set_video_source(part: dict[str, Any], policy: MediaPolicy, index: int) -> None:
+    """Rewrite a video_url part in place into a `video` part: a data URI as it is (the engine decodes it), a local
+    file's bytes if it lies under the allowed media path; remote videos are not fetched."""
+    url = part["video_url"]["url"] if isinstance(part["video_url"], dict) else part["video_url"]
+    if is_remote(url):
+        raise bad_request(f"video {index}: remote video URLs are not fetched; send a data URI", "messages",
+                          "invalid_video_url")
+    source = url if url.startswith("data:") else _read_local(url, policy, index)
+    part.clear()
+    part.update({"type": "video", "video": source})
+
+
 def check_image_count(num_images: int, policy: MediaPolicy) -> None:
     if num_images > policy.limit_images:
         raise bad_request(f"{num_images} images in one prompt; at most {policy.limit_images} are allowed "

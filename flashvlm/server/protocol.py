@@ -68,7 +68,18 @@ class ImageURLPart(BaseModel):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+class VideoURL(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    url: str = Field(description="data:video/...;base64,... URI, or a file path or file:// URL under "
+                                 "--allowed-local-media-path (Qwen-VL models only)")
+
+
+class VideoURLPart(BaseModel):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
 
 
 class ChatMessage(BaseModel):

@@ -221,6 +221,10 @@ class OpenAIServing:
         for i, (part, url) in enumerate(parts):
             if media.is_remote(url):
                 media.set_image_bytes(part, await media.fetch_remote_image(url, policy, i))
+        videos = media.video_parts(messages)
+        if videos:  # a local file is read, a data URI passed on: off the event loop
+            await self.engine.run_in_executor(
+                lambda: [media.set_video_source(part, policy, i) for i, part in enumerate(videos)])
         tools = list(req.tool_mode.tools) if req.tool_mode.renders_tools else None
         try:  # file reads, base64 and decoding run on the image pool, within the request's budget
             return await self.engine.process_chat(messages, req.mm_processor_kwargs,

@@ -16,7 +16,8 @@ QWEN_CHAT_TEMPLATE = (
     "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
     "<|im_end|>\n{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or content['type'] == 'image_url' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'text' %}{{ content['text'] }}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' %}"
+    "<|vision_start|><|video_pad|><|vision_end|>{% elif content['type'] == 'text' %}{{ content['text'] }}"
     "{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -46,6 +46,11 @@ def _img_chat(*uris: str) -> dict[str, Any]:
     return {"model": MODEL, "messages": image_message("What is it?", *uris), "max_tokens": 2}
 
 
+def _video_chat(url: str) -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What happens?"}]}]}
+
+
 # (id, path, body (dict, or raw bytes), status, needle in the message)
 _TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
@@ -68,6 +73,8 @@ CASES: list[tuple[str, str, Any, int, str]] = [
     ("not-an-image", CHAT, _img_chat(data_uri(b"hello world, plain text")), 400, "decode"),
     ("image-over-byte-limit", CHAT, _img_chat(data_uri(png_bytes(200, 200, seed=5))), 400, "bytes"),
     ("image-over-pixel-limit", CHAT, _img_chat(data_uri(_blank_png(600, 600))), 400, "pixels"),
+    ("corrupt-video", CHAT, _video_chat("data:video/mp4;base64,AAAAAAAA"), 400, "video 0"),
+    ("remote-video", CHAT, _video_chat("https://example.com/a.mp4"), 400, "remote video"),
     ("too-many-images", CHAT, _img_chat(*[_OK_IMAGE] * (LIMIT_IMAGES + 1)), 400, "at most"),
     ("prompt-too-long", CHAT, _chat(messages=[{"role": "user", "content": "fox " * MAX_MODEL_LEN}]), 400,
      "max_model_len"),

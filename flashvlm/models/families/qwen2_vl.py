@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from flashvlm.models.interfaces import VLModel
     from flashvlm.models.loader import Checkpoint
     from flashvlm.processing.qwen_image import QwenImageInputs, QwenImageProcessor
+    from flashvlm.processing.qwen_video import QwenVideoInputs
     from flashvlm.request import MMItem
 
 
@@ -40,6 +41,18 @@ class QwenVLFamily(ModelFamily):
         from flashvlm.processing.qwen_image import QwenImageInputs
 
         return QwenImageInputs(self.image_processor(checkpoint.preprocessor_config or {}))
+
+    def video_inputs(self, checkpoint: Checkpoint) -> QwenVideoInputs:
+        import json
+
+        from flashvlm.processing.qwen_video import QwenVideoInputs
+
+        video_config = checkpoint.path / "video_preprocessor_config.json"
+        return QwenVideoInputs.for_family(self.image_processor(checkpoint.preprocessor_config or {}),
+                                          checkpoint.hf_config, qwen3=self.model_type == "qwen3_vl",
+                                          qwen25=self.qwen25,
+                                          video_config=json.loads(video_config.read_text())
+                                          if video_config.is_file() else None)
 
     def vision_patches(self, item: MMItem) -> int:
         return math.prod(item.layout)
