@@ -22,6 +22,7 @@ from flashvlm.processing.messages import check_unicode, normalize_messages
 from flashvlm.processing.preprocess import SourceImage
 from flashvlm.processing.qwen_video import VIDEO_KWARGS
 from flashvlm.processing.tool_prompt import check_tools, with_tools
+from flashvlm.processing.video_prompt import attach_videos
 from flashvlm.pruning.base import PruningSettingError
 from flashvlm.pruning.setting import (
     NO_GRID_EXAMPLES,
@@ -241,7 +242,10 @@ class InputProcessor:
         token_ids = self._expand_placeholders(text.token_ids, items)
         if text.videos or (self.video_inputs is not None and self.video_inputs.video_token_id in token_ids):
             items = list(items)
-            token_ids = self._attach_videos(token_ids, text.videos, text.video_kwargs, items)
+            if self.video_inputs is None:
+                raise InvalidRequestError("this model takes no video input")
+            token_ids = attach_videos(self.video_inputs, self.tokenizer, token_ids, text.videos, text.video_kwargs,
+                                      items)
             items.sort(key=lambda it: it.offset)
         return ProcessedPrompt(token_ids, items)
 
@@ -272,38 +276,6 @@ class InputProcessor:
         family_kwargs = {k: v for k, v in kwargs.items() if k not in PRUNING_KWARGS and k not in VIDEO_KWARGS}
         video_kwargs = {k: v for k, v in kwargs.items() if k in VIDEO_KWARGS}
         return PromptText(token_ids, images, family_kwargs, setting, list(videos), video_kwargs)
-
-    def _attach_videos(self, token_ids: list[int], videos: Sequence[Any], video_kwargs: dict,
-                       items: list[MMItem]) -> list[int]:
-        """Expand each video placeholder token into its frames' tokens (`QwenVideoInputs.make_items`), shifting the
-        image items after it, and add the frame items to `items`. Video tokens are never pruned."""
-        if self.video_inputs is None:
-            raise InvalidRequestError("this model takes no video input")
-        tok = self.video_inputs.video_token_id
-        starts = [i for i, t in enumerate(token_ids) if t == tok]
-        if len(starts) != len(videos):
-            raise InvalidRequestError(f"prompt has {len(starts)} video placeholder token(s) but {len(videos)} "
-                                      "video(s) were given; put one placeholder per video")
-        out: list[int] = []
-        previous, frames = 0, []
-        image_offsets = [item.offset for item in items]
-        for index, (start, src) in enumerate(zip(starts, videos)):
-            try:
-                video_items, ids = self.video_inputs.make_items(src, video_kwargs, self.tokenizer)
-            except InvalidRequestError as e:
-                raise InvalidRequestError(f"video {index}: {e}") from None
-            out.extend(token_ids[previous:start])
-            for item, original in zip(items, image_offsets):  # images after this placeholder move by its expansion
-                if original > start:
-                    item.offset += len(ids) - 1
-            for item in video_items:
-                item.offset += len(out)
-            out.extend(ids)
-            frames += video_items
-            previous = start + 1
-        out.extend(token_ids[previous:])
-        items += frames
-        return out
 
     def _pruning_setting(self, kwargs: dict) -> PruningChoice:
         try:
