@@ -16,6 +16,7 @@ from flashvlm.distributed.layers import ParallelLMHead, RowParallelLinear, Vocab
 from flashvlm.layers.linear import Linear, MergedLinear
 from flashvlm.layers.mlp import GatedMLP
 from flashvlm.models.decoder import DecoderAttention
+from flashvlm.models.persimmon import PersimmonAttention, PersimmonMLP
 
 
 def head_split(num_heads: int, num_kv_heads: int, group: TPGroup) -> tuple[range, range]:
@@ -63,12 +64,38 @@ def _shard_attention(attn: DecoderAttention, group: TPGroup) -> None:
     attn.attn.num_heads, attn.attn.num_kv_heads = len(heads), len(kv_heads)
 
 
-def _shard_mlp(mlp: GatedMLP, group: TPGroup) -> None:
-    inter = mlp.gate_up_proj.out_sizes[0]
+def _shard_persimmon_attention(attn: PersimmonAttention, group: TPGroup) -> None:
+    heads, _ = head_split(attn.num_heads, attn.num_heads, group)
+    rows = _rows(heads, attn.head_dim)
+    attn.query_key_value = _column_slice(attn.query_key_value, [rows, rows, rows])
+    attn.dense = RowParallelLinear(attn.dense, group, rows.start, rows.stop)
+    attn.num_heads = attn.attn.num_heads = attn.attn.num_kv_heads = len(heads)
+
+
+def _intermediate_rows(inter: int, group: TPGroup) -> slice:
     if inter % group.size:
         raise ConfigError(f"tensor_parallel_size {group.size} must divide the intermediate size {inter}")
     local = inter // group.size
-    rows = slice(group.rank * local, (group.rank + 1) * local)
+    return slice(group.rank * local, (group.rank + 1) * local)
+
+
+def _shard_persimmon_mlp(mlp: PersimmonMLP, group: TPGroup) -> None:
+    up = mlp.dense_h_to_4h
+    rows = _intermediate_rows(up.out_features, group)
+    mlp.dense_h_to_4h = _column_slice(_as_merged(up), [rows])
+    mlp.dense_4h_to_h = RowParallelLinear(mlp.dense_4h_to_h, group, rows.start, rows.stop)
+
+
+def _as_merged(layer: Linear) -> MergedLinear:
+    """A Linear seen as a MergedLinear of one projection (same parameters), for _column_slice."""
+    merged = MergedLinear(layer.in_features, [layer.out_features], bias=layer.bias is not None).to("meta")
+    merged.weight, merged.bias = layer.weight, layer.bias
+    merged.use_triton_kernels, merged.gemv_max_rows = layer.use_triton_kernels, layer.gemv_max_rows
+    return merged
+
+
+def _shard_mlp(mlp: GatedMLP, group: TPGroup) -> None:
+    rows = _intermediate_rows(mlp.gate_up_proj.out_sizes[0], group)
     mlp.gate_up_proj = _column_slice(mlp.gate_up_proj, [rows, rows])
     mlp.down_proj = RowParallelLinear(mlp.down_proj, group, rows.start, rows.stop)
 
@@ -83,16 +110,23 @@ def shard_model(model: nn.Module, group: TPGroup) -> None:
         if isinstance(module, DecoderAttention):
             _shard_attention(module, group)
             sharded_attn += 1
+        elif isinstance(module, PersimmonAttention):
+            _shard_persimmon_attention(module, group)
+            sharded_attn += 1
         elif isinstance(module, GatedMLP):
             _shard_mlp(module, group)
+        elif isinstance(module, PersimmonMLP):
+            _shard_persimmon_mlp(module, group)
     if sharded_attn != len(lm.layers):
-        raise ConfigError(f"tensor parallelism covers the Llama-style decoder (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, "
-                          f"LLaVA); {type(model).__name__}'s decoder is not covered yet")
+        raise ConfigError(f"tensor parallelism covers the Llama-style and Persimmon decoders; "
+                          f"{type(model).__name__}'s decoder is not covered yet")
     vocab = lm.embed_tokens.num_embeddings
     head: Linear | None = model.lm_head
-    lm.embed_tokens = VocabParallelEmbedding(lm.embed_tokens, group)
+    tied_weight = lm.embed_tokens.weight.detach()
+    if not model.encoder_reads_embeddings:
+        lm.embed_tokens = VocabParallelEmbedding(lm.embed_tokens, group)
     if head is None:  # tied: the head reads the embedding's rows
-        model.lm_head = ParallelLMHead(lm.embed_tokens.weight, vocab, group)
+        model.lm_head = ParallelLMHead(tied_weight, vocab, group)
     else:
         model.lm_head = ParallelLMHead(head.weight.detach(), vocab, group, head.bias)
     if group.device_group is not None and next(model.parameters()).is_cuda:

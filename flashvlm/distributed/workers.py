@@ -196,6 +196,8 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, pipe: Any) ->
             _injected(rank, f"step:{step}")
             engine.run_worker_step(out, forgotten)
         group.destroy()
+        pipe.close()
+        os._exit(0)  # past the group's C++ threads' teardown at interpreter exit, which can abort the process
     except BaseException as e:  # noqa: BLE001 - every failure goes back to rank 0
         message = f"tensor-parallel rank {rank} failed: {type(e).__name__}: {e}"
         logger.error("%s\n%s", message, traceback.format_exc())
