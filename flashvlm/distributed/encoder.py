@@ -58,3 +58,6 @@ def split_encoder(model, group: TPGroup, dtype: torch.dtype, device: torch.devic
     """Make `model.encode_images` data-parallel over the group (no-op at size 1)."""
     if group.size > 1:
         model.encode_images = DataParallelEncoder(model.encode_images, group, model.embedding_width, dtype, device)
+        # The vision graphs replay a whole call by the step's image shapes; this rank's share and the gather
+        # around it are not captured yet, so the tower runs eagerly.
+        model.vision_graphable = False

@@ -21,7 +21,7 @@ class TPGroup:
         self.device_group = device_group
         """The process group of the sharded layers' collectives (NCCL on GPUs, gloo on CPU); None at size 1."""
         self.cpu_group = cpu_group
-        """A gloo group for the step messages rank 0 broadcasts (Python objects, host memory)."""
+        """A gloo group for host-side values (the KV blocks every rank agrees on)."""
 
     @classmethod
     def join(cls, rank: int, size: int, init_method: str, device: str, timeout_s: float) -> TPGroup:
@@ -67,17 +67,6 @@ class TPGroup:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
-
-    # ---- the step messages ------------------------------------------------------------------------
-    def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0's `obj` on every rank (pickled over the gloo group)."""
-        if self.size == 1:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj if self.is_driver else None]
-        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
-        return box[0]
 
     def destroy(self) -> None:
         if self.size > 1:

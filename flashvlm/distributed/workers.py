@@ -1,17 +1,19 @@
 """The worker processes of a tensor-parallel engine and rank 0's handle on them.
 
 Rank 0 (the caller's process) spawns ranks 1..N-1; each builds the same engine (its own slice of the model, its
-own KV cache) and then runs, step after step, the SchedulerOutput rank 0 broadcasts: the same runner step, with
+own KV cache) and then runs, step after step, the SchedulerOutput rank 0 sends: the same runner step, with
 the same all-gathered logits and so the same samples, which only rank 0 reports. A worker that fails sends its
 error back and exits, which breaks rank 0's next collective; rank 0 then raises TensorParallelError naming the
 rank and its error. Collectives that wait longer than distributed_timeout_s fail the same way."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import tempfile
 import time
 import traceback
@@ -21,11 +23,13 @@ from typing import Any
 
 from flashvlm.config import EngineConfig
 from flashvlm.distributed.group import TensorParallelError, TPGroup
+from flashvlm.distributed.step_messages import StepReceiver, StepSender
 
 logger = logging.getLogger(__name__)
 
 FAULT_ENV = "FLASHVLM_TP_TEST_FAULT"
-"""Test hook read by workers only: "RANK:startup" or "RANK:step:N" makes that rank raise there (tests/e2e)."""
+"""Test hook read by workers only: "RANK:startup" or "RANK:step:N" makes that rank raise there,
+"RANK:hang-step:N" makes it stop answering (tests/e2e)."""
 _STOP = "stop"
 
 
@@ -38,14 +42,20 @@ def _injected(rank: int, where: str) -> None:
     spec = os.environ.get(FAULT_ENV, "")
     if spec and spec.split(":", 1) == [str(rank), where]:
         raise RuntimeError(f"injected fault ({FAULT_ENV}={spec})")
+    if spec and spec.split(":", 1) == [str(rank), f"hang-{where}"]:
+        time.sleep(3600)  # a rank that stops answering: rank 0's collective times out
 
 
 class TensorParallel:
     """Rank 0's group and worker processes; at size 1 a group of one and no processes."""
 
-    def __init__(self, group: TPGroup, processes: list[Any], pipes: list[Any], workdir: Path | None) -> None:
+    def __init__(self, group: TPGroup, processes: list[Any], pipes: list[Any], workdir: Path | None,
+                 commands: list[Any] | None = None) -> None:
         self.group, self.processes, self.pipes, self.workdir = group, processes, pipes, workdir
+        """`pipes`: each worker's reports (started, its error); `commands`: rank 0's step messages to it."""
+        self.commands = commands if commands is not None else []
         self._closed = False
+        self._sender = StepSender()
         self._finalizer = weakref.finalize(self, _stop_processes, processes, 0.0)
 
     @classmethod
@@ -57,17 +67,20 @@ class TensorParallel:
         workdir = Path(tempfile.mkdtemp(prefix="flashvlm-tp-"))
         init_method = f"file://{workdir / 'rendezvous'}"
         ctx = mp.get_context("spawn")
-        processes, pipes = [], []
-        tp = cls(TPGroup(0, size), processes, pipes, workdir)
+        processes, pipes, commands = [], [], []
+        tp = cls(TPGroup(0, size), processes, pipes, workdir, commands)
         try:
             for rank in range(1, size):
-                parent, child = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=worker_main, args=(config, rank, init_method, child),
+                reports, report_end = ctx.Pipe(duplex=False)
+                command_end, command = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=worker_main, args=(config, rank, init_method, report_end, command_end),
                                    name=f"flashvlm-tp-rank{rank}", daemon=True)
                 proc.start()
-                child.close()
+                report_end.close()
+                command_end.close()
                 processes.append(proc)
-                pipes.append(parent)
+                pipes.append(reports)
+                commands.append(command)
             tp._wait_started(config.distributed_timeout_s)
             tp.group = TPGroup.join(0, size, init_method, config.device, config.distributed_timeout_s)
         except BaseException:
@@ -97,14 +110,20 @@ class TensorParallel:
 
     # ---- per step ---------------------------------------------------------------------------------
     def broadcast_step(self, out: Any, forgotten: list[str]) -> None:
+        """The step to every worker, through its command pipe rather than a collective: a worker waits for its
+        next step as long as the engine idles, with no collective timeout, and sees EOF if rank 0 dies."""
         if self.group.size > 1:
-            self.group.broadcast_object((out, forgotten))
+            self._send(pickle.dumps(self._sender.message(out, forgotten), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _send(self, data: bytes) -> None:
+        for command in self.commands:
+            command.send_bytes(data)
 
     def failure(self) -> str | None:
         """A failed worker's own message (or its exit code), or None while every worker runs. A worker sends its
         message before it exits, so by the time rank 0's collective breaks the message is there."""
         for _ in range(20):
-            for rank, (proc, pipe) in enumerate(zip(self.processes, self.pipes), start=1):
+            for pipe in self.pipes:
                 try:
                     if pipe.poll():
                         kind, message = pipe.recv()
@@ -138,11 +157,10 @@ class TensorParallel:
         if self._closed:
             return
         self._closed = True
-        if graceful and self.group.size > 1 and self.group.cpu_group is not None \
-                and all(p.is_alive() for p in self.processes):
+        if graceful and self.group.size > 1 and all(p.is_alive() for p in self.processes):
             try:
-                self.group.broadcast_object((_STOP, []))
-            except Exception:  # noqa: BLE001 - a broken group: the workers are terminated below
+                self._send(pickle.dumps(_STOP))
+            except OSError:  # a broken pipe: the workers are terminated below
                 logger.warning("tensor-parallel workers did not take the stop message; terminating them")
         _stop_processes(self.processes, 10.0 if graceful else 0.0)
         self.group.destroy()
@@ -172,7 +190,7 @@ def _stop_processes(processes: list[Any], grace_s: float = 10.0) -> None:
             proc.join()
 
 
-def worker_main(config: EngineConfig, rank: int, init_method: str, pipe: Any) -> None:
+def worker_main(config: EngineConfig, rank: int, init_method: str, pipe: Any, commands: Any) -> None:
     """Rank `rank`: build the engine's device side, then run rank 0's steps until it says stop."""
     try:
         from flashvlm.engine.engine import Engine
@@ -187,22 +205,23 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, pipe: Any) ->
                              config.distributed_timeout_s)
         _injected(rank, "startup")
         engine = Engine(config, tp=TensorParallel(group, [], [], None))
-        step = 0
+        receiver, step = StepReceiver(), 0
         while True:
-            out, forgotten = group.broadcast_object()
-            if out == _STOP:
+            try:
+                message = pickle.loads(commands.recv_bytes())
+            except EOFError:  # rank 0 is gone
+                break
+            if message == _STOP:
                 break
             step += 1
             _injected(rank, f"step:{step}")
-            engine.run_worker_step(out, forgotten)
+            engine.run_worker_step(*receiver.receive(message))
         group.destroy()
         pipe.close()
         os._exit(0)  # past the group's C++ threads' teardown at interpreter exit, which can abort the process
     except BaseException as e:  # noqa: BLE001 - every failure goes back to rank 0
         message = f"tensor-parallel rank {rank} failed: {type(e).__name__}: {e}"
         logger.error("%s\n%s", message, traceback.format_exc())
-        try:
+        with contextlib.suppress(OSError):
             pipe.send(("error", message))
-        except OSError:
-            pass
         os._exit(1)  # leaves the group at once, so rank 0's next collective fails instead of waiting

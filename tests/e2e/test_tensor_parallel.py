@@ -3,6 +3,8 @@ tensor_parallel_size 1 (float32), and a failing rank gives a clear error and lea
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -69,6 +71,24 @@ def test_four_ranks_replicate_kv_heads(tmp_path):
     _parity(tmp_path, "qwen2_vl", size=4)
 
 
+@pytest.mark.slow
+def test_preemption_and_samples_match_one_rank(tmp_path):
+    """A KV cache too small for the batch preempts and recomputes requests: the workers' mirrored requests follow
+    (sent whole again when they come back); n=2 samples of a seeded request match too."""
+    path = build_qwen2_vl(tmp_path / "q")
+    prompts = _prompts(QWEN, 2) + [f"prompt number {i} with some words" for i in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
+    params[1] = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=12, ignore_eos=True)
+    results = []
+    for size in (1, 2):
+        with LLM(str(path), tensor_parallel_size=size, **{**OPTIONS, "kv_cache_tokens": 192}) as llm:
+            outs = llm.generate(prompts, params)
+            results.append([[c.token_ids for c in o.outputs] for o in outs])
+            if size == 2:
+                assert llm.engine.stats()["num_preemptions"] > 0
+    assert results[0] == results[1]
+
+
 def test_rank_zero_holds_its_share(tmp_path):
     path = build_qwen2_vl(tmp_path / "q")
     with LLM(str(path), tensor_parallel_size=2, **OPTIONS) as llm:
@@ -105,6 +125,28 @@ def test_failing_rank_raises_and_leaves_no_process(tmp_path, monkeypatch, where)
         llm.generate(prompts, GREEDY)
     assert not any(p.is_alive() for p in processes)
     llm.close()
+
+
+@pytest.mark.slow
+def test_hung_rank_times_out_with_a_clear_error(tmp_path, monkeypatch):
+    path = build_qwen2_vl(tmp_path / "q")
+    monkeypatch.setenv(FAULT_ENV, "1:hang-step:1")
+    llm = LLM(str(path), tensor_parallel_size=2, **{**OPTIONS, "distributed_timeout_s": 3})
+    processes = llm.engine.tp.processes
+    with pytest.raises(TensorParallelError, match="collective failed"):
+        llm.generate(_prompts(QWEN, 2), GREEDY)
+    assert not any(p.is_alive() for p in processes)
+
+
+@pytest.mark.slow
+def test_idle_workers_outlive_the_collective_timeout(tmp_path):
+    """Workers wait for the next step on a pipe, not in a collective: an engine idle for longer than
+    distributed_timeout_s still steps."""
+    path = build_qwen2_vl(tmp_path / "q")
+    with LLM(str(path), tensor_parallel_size=2, **{**OPTIONS, "distributed_timeout_s": 2}) as llm:
+        first = llm.generate("hello", GREEDY)[0].outputs[0].token_ids
+        time.sleep(3)
+        assert llm.generate("hello", GREEDY)[0].outputs[0].token_ids == first
 
 
 def test_weights_mode_and_quantization_are_refused():
