@@ -55,10 +55,11 @@ def _column_slice(full: MergedLinear, parts: list[slice]) -> MergedLinear:
     return new
 
 
-def _shard_attention(attn: DecoderAttention, group: TPGroup) -> None:
-    heads, kv_heads = head_split(attn.num_heads, attn.num_kv_heads, group)
+def _shard_attention(attn: DecoderAttention, group: TPGroup, part: TPGroup) -> None:
+    heads, kv_heads = head_split(attn.num_heads, attn.num_kv_heads, part)
     q_rows, kv_rows = _rows(heads, attn.head_dim), _rows(kv_heads, attn.head_dim)
-    attn.qkv_proj = _column_slice(attn.qkv_proj, [q_rows, kv_rows, kv_rows])
+    if part.size > 1:
+        attn.qkv_proj = _column_slice(attn.qkv_proj, [q_rows, kv_rows, kv_rows])
     attn.o_proj = RowParallelLinear(attn.o_proj, group, q_rows.start, q_rows.stop)
     attn.num_heads, attn.num_kv_heads = len(heads), len(kv_heads)
     attn.attn.num_heads, attn.attn.num_kv_heads = len(heads), len(kv_heads)
@@ -72,7 +73,7 @@ def _shard_persimmon_attention(attn: PersimmonAttention, group: TPGroup) -> None
     attn.num_heads = attn.attn.num_heads = attn.attn.num_kv_heads = len(heads)
 
 
-def _intermediate_rows(inter: int, group: TPGroup) -> slice:
+def intermediate_rows(inter: int, group: TPGroup) -> slice:
     if inter % group.size:
         raise ConfigError(f"tensor_parallel_size {group.size} must divide the intermediate size {inter}")
     local = inter // group.size
@@ -81,7 +82,7 @@ def _intermediate_rows(inter: int, group: TPGroup) -> slice:
 
 def _shard_persimmon_mlp(mlp: PersimmonMLP, group: TPGroup) -> None:
     up = mlp.dense_h_to_4h
-    rows = _intermediate_rows(up.out_features, group)
+    rows = intermediate_rows(up.out_features, group)
     mlp.dense_h_to_4h = _column_slice(_as_merged(up), [rows])
     mlp.dense_4h_to_h = RowParallelLinear(mlp.dense_4h_to_h, group, rows.start, rows.stop)
 
@@ -94,27 +95,32 @@ def _as_merged(layer: Linear) -> MergedLinear:
     return merged
 
 
-def _shard_mlp(mlp: GatedMLP, group: TPGroup) -> None:
-    rows = _intermediate_rows(mlp.gate_up_proj.out_sizes[0], group)
-    mlp.gate_up_proj = _column_slice(mlp.gate_up_proj, [rows, rows])
+def _shard_mlp(mlp: GatedMLP, group: TPGroup, part: TPGroup) -> None:
+    rows = intermediate_rows(mlp.gate_up_proj.out_sizes[0], part)
+    if part.size > 1:
+        mlp.gate_up_proj = _column_slice(mlp.gate_up_proj, [rows, rows])
     mlp.down_proj = RowParallelLinear(mlp.down_proj, group, rows.start, rows.stop)
 
 
-def shard_model(model: nn.Module, group: TPGroup) -> None:
-    """Keep this rank's slice of `model`'s language model (the weights are loaded, full). No-op at size 1."""
+def shard_model(model: nn.Module, group: TPGroup, loaded_local: bool = False) -> None:
+    """Keep this rank's slice of `model`'s language model, whose weights are loaded: in full, or (loaded_local)
+    as this rank's slices already (sharded_load.py), where only the communicating layers are swapped in.
+    No-op at size 1."""
     if group.size == 1:
         return
+    part = TPGroup() if loaded_local else group
+    """How the projections are cut: by the group, or not at all when they hold this rank's slice already."""
     lm = model.language_model
     sharded_attn = 0
     for module in list(lm.modules()):
         if isinstance(module, DecoderAttention):
-            _shard_attention(module, group)
+            _shard_attention(module, group, part)
             sharded_attn += 1
         elif isinstance(module, PersimmonAttention):
             _shard_persimmon_attention(module, group)
             sharded_attn += 1
         elif isinstance(module, GatedMLP):
-            _shard_mlp(module, group)
+            _shard_mlp(module, group, part)
         elif isinstance(module, PersimmonMLP):
             _shard_persimmon_mlp(module, group)
     if sharded_attn != len(lm.layers):

@@ -16,6 +16,7 @@ from flashvlm.cache.encoder_cache import EncoderCacheManager
 from flashvlm.config import ConfigError, EngineConfig
 from flashvlm.distributed.encoder import split_encoder
 from flashvlm.distributed.shard import shard_model
+from flashvlm.distributed.sharded_load import loads_sharded
 from flashvlm.distributed.workers import TensorParallel
 from flashvlm.engine.detokenizer import IncrementalDetokenizer
 from flashvlm.engine.limits import EngineLimits, resolve_max_model_len
@@ -74,8 +75,8 @@ class Engine:
         if quant_plan is not None and config.tensor_parallel_size > 1:
             raise ConfigError(f"the checkpoint is quantized ({quant_plan.method}); quantized layers are not sharded "
                               "by tensor parallelism yet")
-        self.model = load_model(mc, self.checkpoint, config.device, self.dtype, quant_plan)
-        shard_model(self.model, self.tp.group)
+        self.model = load_model(mc, self.checkpoint, config.device, self.dtype, quant_plan, self.tp.group)
+        shard_model(self.model, self.tp.group, loads_sharded(self.checkpoint.hf_config, self.tp.group))
         split_encoder(self.model, self.tp.group, self.dtype, torch.device(config.device))
         set_kernel_backend(self.model, config.kernel_backend)
         attention_backend, vision_attention = config.attention_for_dtype(self.dtype)

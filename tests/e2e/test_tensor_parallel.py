@@ -96,6 +96,9 @@ def test_rank_zero_holds_its_share(tmp_path):
         attn = engine.model.language_model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads, attn.attn.num_heads, attn.attn.num_kv_heads) == (2, 1, 2, 1)
         assert engine.runner.kv_caches[0].shape[3] == 1  # the KV cache holds this rank's one KV head
+        # built with this rank's widths and loaded as slices: the full language model never existed here
+        assert engine.model.language_model.cfg.num_attention_heads == 2
+        assert engine.model.language_model.layers[0].mlp.gate_up_proj.weight.shape[0] == 128  # 2 x 128 / 2
         assert engine.model.lm_head.weight.shape[0] == engine.model.vocab_size // 2
         assert engine.model.language_model.embed_tokens.weight.shape[0] == engine.model.vocab_size // 2
         processes = engine.tp.processes
