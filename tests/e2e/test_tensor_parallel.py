@@ -37,9 +37,9 @@ def _prompts(placeholder: str, max_images: int) -> list:
     return prompts
 
 
-def _tokens(path, size: int, prompts: list, **options) -> list[list[int]]:
+def _tokens(path, size: int, prompts: list, params: SamplingParams = GREEDY, **options) -> list[list[int]]:
     with LLM(str(path), tensor_parallel_size=size, **OPTIONS, **options) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
 def _parity(tmp_path, family: str, size: int = 2, **build) -> None:
@@ -87,6 +87,18 @@ def test_preemption_and_samples_match_one_rank(tmp_path):
             if size == 2:
                 assert llm.engine.stats()["num_preemptions"] > 0
     assert results[0] == results[1]
+
+
+@pytest.mark.slow
+def test_triton_backend_on_each_rank_matches_one_rank(tmp_path):
+    """The Triton attention kernels (Triton's interpreter on CPU) read each rank's head counts from its tensors;
+    a small token budget adds chunked prefill mixed with decode."""
+    pytest.importorskip("triton")
+    path = build_qwen2_vl(tmp_path / "q")
+    prompts, params = _prompts(QWEN, 1), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    single = _tokens(path, 1, prompts, params, attention_backend="reference")
+    assert _tokens(path, 2, prompts, params, attention_backend="triton", kernel_backend="torch",
+                   enforce_eager=True, max_num_batched_tokens=24) == single
 
 
 def test_rank_zero_holds_its_share(tmp_path):
