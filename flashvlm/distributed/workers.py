@@ -31,6 +31,9 @@ FAULT_ENV = "FLASHVLM_TP_TEST_FAULT"
 """Test hook read by workers only: "RANK:startup" or "RANK:step:N" makes that rank raise there,
 "RANK:hang-step:N" makes it stop answering (tests/e2e)."""
 _STOP = "stop"
+_START_S = 300.0
+"""Least time a worker is given to import flashvlm and torch before it joins (a busy host is slow at that); a
+worker that dies meanwhile is reported at once."""
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -81,7 +84,7 @@ class TensorParallel:
                 processes.append(proc)
                 pipes.append(reports)
                 commands.append(command)
-            tp._wait_started(config.distributed_timeout_s)
+            tp._wait_started(max(config.distributed_timeout_s, _START_S))
             tp.group = TPGroup.join(0, size, init_method, config.device, config.distributed_timeout_s)
         except BaseException:
             tp.close(graceful=False)
@@ -113,6 +116,9 @@ class TensorParallel:
         """The step to every worker, through its command pipe rather than a collective: a worker waits for its
         next step as long as the engine idles, with no collective timeout, and sees EOF if rank 0 dies."""
         if self.group.size > 1:
+            if self._closed:
+                raise TensorParallelError("the tensor-parallel workers were stopped after an earlier failure: "
+                                          "start a new engine")
             self._send(pickle.dumps(self._sender.message(out, forgotten), protocol=pickle.HIGHEST_PROTOCOL))
 
     def _send(self, data: bytes) -> None:
@@ -140,15 +146,16 @@ class TensorParallel:
         return None
 
     def check(self, error: BaseException) -> None:
-        """After `error` on rank 0: raise TensorParallelError for a failed worker or a broken collective (the
-        group is unusable after either: the workers are stopped); returns for any other error."""
+        """After `error` on rank 0, before the engine re-raises it: the workers are stopped (they may wait in a
+        step rank 0 left, so the group is of no further use), and a broken collective or pipe, whose cause is on
+        another rank, becomes TensorParallelError with that rank's own message. Any other error is rank 0's own
+        and is left to propagate."""
         if self.group.size == 1:
             return
-        message = self.failure()
-        if message is None and not _is_collective_error(error):
-            return
+        message = self.failure() if _is_collective_error(error) else None
         self.close(graceful=False)
-        raise TensorParallelError(message or f"a tensor-parallel collective failed: {error}") from error
+        if _is_collective_error(error):
+            raise TensorParallelError(message or f"a tensor-parallel collective failed: {error}") from error
 
     # ---- shutdown ---------------------------------------------------------------------------------
     def close(self, graceful: bool = False) -> None:
@@ -174,7 +181,10 @@ class TensorParallel:
 def _is_collective_error(error: BaseException) -> bool:
     import torch.distributed as dist
 
-    return isinstance(error, dist.DistError) or "gloo" in str(error).lower() or "nccl" in str(error).lower()
+    if isinstance(error, (dist.DistError, BrokenPipeError, ConnectionError)):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("gloo" in text or "nccl" in text)
 
 
 def _stop_processes(processes: list[Any], grace_s: float = 10.0) -> None:

@@ -58,7 +58,6 @@ class Engine:
         except BaseException as e:
             if self.tp.group.is_driver:
                 self.tp.check(e)
-                self.tp.close(graceful=False)
             raise
 
     def _build(self, config: EngineConfig) -> None:

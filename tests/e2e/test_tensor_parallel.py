@@ -139,14 +139,23 @@ def test_failing_rank_raises_and_leaves_no_process(tmp_path, monkeypatch, where)
     with pytest.raises(TensorParallelError, match="rank 1 failed: RuntimeError: injected fault"):
         llm.generate(prompts, GREEDY)
     assert not any(p.is_alive() for p in processes)
+    with pytest.raises(TensorParallelError, match="stopped after an earlier failure"):
+        llm.generate(prompts, GREEDY)
     llm.close()
+
+
+def test_a_model_the_ranks_cannot_split_is_a_config_error(tmp_path):
+    """4 attention heads over 3 ranks: rank 0's own error (every rank finds it), not a worker's report."""
+    path = build_qwen2_vl(tmp_path / "q")
+    with pytest.raises(ConfigError, match="tensor_parallel_size 3 must divide the model's 4 attention heads"):
+        LLM(str(path), tensor_parallel_size=3, **OPTIONS)
 
 
 @pytest.mark.slow
 def test_hung_rank_times_out_with_a_clear_error(tmp_path, monkeypatch):
     path = build_qwen2_vl(tmp_path / "q")
     monkeypatch.setenv(FAULT_ENV, "1:hang-step:1")
-    llm = LLM(str(path), tensor_parallel_size=2, **{**OPTIONS, "distributed_timeout_s": 3})
+    llm = LLM(str(path), tensor_parallel_size=2, **{**OPTIONS, "distributed_timeout_s": 10})
     processes = llm.engine.tp.processes
     with pytest.raises(TensorParallelError, match="collective failed"):
         llm.generate(_prompts(QWEN, 2), GREEDY)
@@ -158,9 +167,9 @@ def test_idle_workers_outlive_the_collective_timeout(tmp_path):
     """Workers wait for the next step on a pipe, not in a collective: an engine idle for longer than
     distributed_timeout_s still steps."""
     path = build_qwen2_vl(tmp_path / "q")
-    with LLM(str(path), tensor_parallel_size=2, **{**OPTIONS, "distributed_timeout_s": 2}) as llm:
+    with LLM(str(path), tensor_parallel_size=2, **{**OPTIONS, "distributed_timeout_s": 10}) as llm:
         first = llm.generate("hello", GREEDY)[0].outputs[0].token_ids
-        time.sleep(3)
+        time.sleep(11)
         assert llm.generate("hello", GREEDY)[0].outputs[0].token_ids == first
 
 
