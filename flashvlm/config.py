@@ -174,6 +174,20 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = option("auto", check=_device, help="cpu, cuda or cuda:N; auto = cuda if available, else cpu")
+    tensor_parallel_size: int = option(
+        1, minimum=1,
+        help="split the language model over this many GPUs of one host (CPU processes on device cpu), one process "
+             "per rank: attention and KV heads, MLP and vocabulary sharded, the KV cache per rank; rank 0 "
+             "schedules (docs/distributed.md)")
+    mm_encoder_tp_mode: str = option(
+        "data", choices=("data", "weights"),
+        help="with tensor_parallel_size > 1, the vision tower: data = whole on every rank, each rank encodes a "
+             "share of the step's images and the embeddings are gathered; weights (sharded like the language "
+             "model) is not built yet and is refused")
+    distributed_timeout_s: int = option(
+        600, minimum=1,
+        help="with tensor_parallel_size > 1: seconds a rank waits for the others (start-up, each collective) "
+             "before the engine fails with a clear error")
     attention_backend: str = option(
         "auto", choices=("auto", "reference", "triton", "fa4"),
         help="the LM's paged attention: auto = fa4 where it runs, else triton on CUDA when Triton imports, else "
@@ -256,6 +270,7 @@ class EngineConfig:
         if problem is not None:
             raise ConfigError(f"device={self.device!r}: {problem}")
         self._resolve_attention()
+        self._check_tensor_parallel()
         if c.kv_cache_dtype != "auto" and self.attention_backend != "reference":
             from flashvlm.attention.kv_quant import fp8_kv_unavailable_reason
 
@@ -264,6 +279,25 @@ class EngineConfig:
                 raise ConfigError(f"kv_cache_dtype={c.kv_cache_dtype!r} with the {self.attention_backend} attention "
                                   f"backend: {problem} (attention_backend 'reference' runs it in plain torch)")
         return self
+
+    def _check_tensor_parallel(self) -> None:
+        n = self.tensor_parallel_size
+        if n == 1:
+            return
+        if self.mm_encoder_tp_mode == "weights":
+            raise ConfigError("mm_encoder_tp_mode 'weights' (a sharded vision tower) is not built yet: use 'data' "
+                              "(the tower whole on every rank, the step's images split between ranks)")
+        if self.model.quantization is not None:
+            raise ConfigError(f"quantization {self.model.quantization!r} with tensor_parallel_size {n}: quantized "
+                              "layers are not sharded yet")
+        if self.device.startswith("cuda"):
+            import torch
+
+            if self.device not in ("cuda", "cuda:0"):
+                raise ConfigError(f"tensor_parallel_size {n} runs rank r on cuda:r: use device 'cuda', "
+                                  f"not {self.device!r}")
+            if torch.cuda.device_count() < n:
+                raise ConfigError(f"tensor_parallel_size {n} needs {n} GPUs; {torch.cuda.device_count()} visible")
 
     def _resolve_attention(self) -> None:
         from flashvlm.kernels.dispatch import fa4_unavailable_reason, triton_available

@@ -34,6 +34,16 @@ class LLM:
         llm.engine = Engine(config)
         return llm
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel worker processes (a no-op at tensor_parallel_size 1)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -185,7 +185,9 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine is not running ({self._loop.dead or 'shut down'})")
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop the engine thread (after its current step) and fail whatever is still in flight."""
+        """Stop the engine thread (after its current step), fail whatever is still in flight, and stop the
+        engine's tensor-parallel workers."""
         self._loop.stop(timeout_s)
         self.pipeline.shutdown()
         self._grammar_executor.shutdown(wait=False, cancel_futures=True)
+        self.engine.close()

@@ -13,7 +13,11 @@ from flashvlm.attention.kv_quant import dtype_name
 from flashvlm.attention.vision import set_vision_attention
 from flashvlm.cache.block_manager import BlockManager
 from flashvlm.cache.encoder_cache import EncoderCacheManager
-from flashvlm.config import EngineConfig
+from flashvlm.config import ConfigError, EngineConfig
+from flashvlm.distributed.encoder import split_encoder
+from flashvlm.distributed.shard import shard_model
+from flashvlm.distributed.sharded_load import loads_sharded
+from flashvlm.distributed.workers import TensorParallel
 from flashvlm.engine.detokenizer import IncrementalDetokenizer
 from flashvlm.engine.limits import EngineLimits, resolve_max_model_len
 from flashvlm.engine.request_outputs import Sample, TrackedRequest, sample_params, sample_request_id
@@ -43,8 +47,21 @@ logger = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        """`tp`: given to the engines of ranks 1..N-1 by their worker process; rank 0 (the caller) starts its
+        own, spawning those workers (distributed/workers.py)."""
         self.config = config.validate()
+        self.tp = tp if tp is not None else TensorParallel.start(config)
+        self._forgotten: list[str] = []
+        """Requests forgotten since the last step, for the workers' runners."""
+        try:
+            self._build(config)
+        except BaseException as e:
+            if self.tp.group.is_driver:
+                self.tp.check(e)
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         mc = config.model
         torch.manual_seed(mc.seed)
         t0 = time.perf_counter()
@@ -55,7 +72,12 @@ class Engine:
         max_len = resolve_max_model_len(mc.max_model_len, self.checkpoint.max_position_embeddings)
         self.dtype = resolve_dtype(mc, self.checkpoint.hf_config, config.device)
         quant_plan = resolve_plan(mc.quantization, self.checkpoint.hf_config, mc.quantize_vision)
-        self.model = load_model(mc, self.checkpoint, config.device, self.dtype, quant_plan)
+        if quant_plan is not None and config.tensor_parallel_size > 1:
+            raise ConfigError(f"the checkpoint is quantized ({quant_plan.method}); quantized layers are not sharded "
+                              "by tensor parallelism yet")
+        self.model = load_model(mc, self.checkpoint, config.device, self.dtype, quant_plan, self.tp.group)
+        shard_model(self.model, self.tp.group, loads_sharded(self.checkpoint.hf_config, self.tp.group))
+        split_encoder(self.model, self.tp.group, self.dtype, torch.device(config.device))
         set_kernel_backend(self.model, config.kernel_backend)
         attention_backend, vision_attention = config.attention_for_dtype(self.dtype)
         if (attention_backend, vision_attention) != (config.attention_backend, config.vision_attention):
@@ -80,8 +102,8 @@ class Engine:
         self.runner = ModelRunner(config, self.model, self.dtype, max_model_len=max_len,
                                   attention_backend=attention_backend, structured=self.structured)
         kv_scale_source = self.runner.set_kv_scales(kv_scheme)
-        num_blocks = self.runner.determine_num_blocks(
-            lambda: self.input_processor.profile_items(config.scheduler.max_num_batched_tokens))
+        num_blocks = self.tp.group.min_int(self.runner.determine_num_blocks(
+            lambda: self.input_processor.profile_items(config.scheduler.max_num_batched_tokens)))
         self.runner.allocate_kv_cache(num_blocks)
         self.limits = EngineLimits(max_model_len=max_len, num_kv_blocks=num_blocks,
                                    lookahead_slots=1 if self.runner.pipeline is not None else 0,
@@ -238,16 +260,19 @@ class Engine:
         out = self.scheduler.schedule()
         t_scheduled = time.perf_counter() if self.step_log is not None else t0
         # An empty step still goes through update(): it reports requests the scheduler ended itself.
-        if out.is_empty:
-            self.runner.release(out)
-            sampled, timings, logprobs = {}, StepTimings(), {}
-        else:
-            try:
+        try:
+            self.tp.broadcast_step(out, self._forgotten)
+            self._forgotten = []
+            if out.is_empty:
+                self.runner.release(out)
+                sampled, timings, logprobs = {}, StepTimings(), {}
+            else:
                 sampled, timings = self.runner.execute(out), self.runner.last_timings
                 logprobs = self.runner.sampled_logprobs
-            except BaseException:
-                self._forget_unmade_embeddings()
-                raise
+        except BaseException as e:
+            self._forget_unmade_embeddings()
+            self.tp.check(e)
+            raise
         if timings.num_images:
             by_id = {s.request.request_id: s.request for s in out.scheduled}
             for rid in out.encoder_inputs:
@@ -288,6 +313,19 @@ class Engine:
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED, stop_reason=REJECTED_STOP_REASON)
         for rid in ended:
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+
+    def run_worker_step(self, out: SchedulerOutput, forgotten: list[str]) -> None:
+        """Ranks 1..N-1: rank 0's step on this rank's runner (its samples are rank 0's too, and are dropped)."""
+        for request_id in forgotten:
+            self.runner.forget_request(request_id)
+        if out.is_empty:
+            self.runner.release(out)
+        else:
+            self.runner.execute(out)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do at size 1); the engine takes no steps after."""
+        self.tp.close(graceful=True)
 
     def _step_record(self, out: SchedulerOutput, timings: StepTimings, t0: float, t_scheduled: float,
                      t_update: float) -> StepRecord:
@@ -359,6 +397,8 @@ class Engine:
         self._samples.pop(req.request_id, None)
         self.structured.drop(req.request_id)
         self.runner.forget_request(req.request_id)
+        if self.tp.group.size > 1:
+            self._forgotten.append(req.request_id)
         sample.done = True
 
     def _finish_output(self, tracked: TrackedRequest) -> RequestOutput:

@@ -92,7 +92,8 @@ class DecoderModel(nn.Module):
         self.rotary = MRotaryEmbedding(_head_dim(cfg), rope) if mrope else RotaryEmbedding(_head_dim(cfg), rope)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(self.cfg.num_hidden_layers, self.cfg.num_key_value_heads, _head_dim(self.cfg))
+        # This rank's KV heads: the tensor-parallel pass leaves each layer its share.
+        return KVCacheSpec(self.cfg.num_hidden_layers, self.layers[0].self_attn.num_kv_heads, _head_dim(self.cfg))
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cos, sin = self.rotary(positions, inputs_embeds.dtype)

@@ -47,6 +47,7 @@ class FuyuPatchProjection(nn.Module):
 
 class FuyuForCausalLM(VLModel):
     uses_mrope = False
+    encoder_reads_embeddings = True  # the newline rows of each image
 
     def __init__(self, hf_config) -> None:
         super().__init__()

@@ -40,6 +40,9 @@ class VLModel(nn.Module):
     language_model: nn.Module
     """A models.decoder.DecoderModel; families set it (and lm_head) with init_language_model()."""
     lm_head: Linear | None
+    encoder_reads_embeddings = False
+    """`encode_images` reads rows of the token embedding (Fuyu's newline rows): the tensor-parallel pass then
+    keeps the embedding whole on every rank instead of splitting it by vocabulary."""
 
     def init_language_model(self, hf_config, decoder: nn.Module) -> None:
         """Attach the text decoder and its head; tied embeddings share the embedding matrix (lm_head None)."""

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from flashvlm.config import ConfigError, ModelConfig
+from flashvlm.distributed.group import TPGroup
+from flashvlm.distributed.sharded_load import loads_sharded, local_config, narrow_checkpoint
 from flashvlm.models.interfaces import VLModel
 from flashvlm.models.registry import ModelFamily, resolve_family
 from flashvlm.models.weight_utils import (
@@ -143,13 +145,17 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(model_config: ModelConfig, checkpoint: Checkpoint, device: str, dtype: torch.dtype,
-               quant_plan: QuantPlan | None = None) -> VLModel:
+               quant_plan: QuantPlan | None = None, tp_group: TPGroup | None = None) -> VLModel:
     """Build the family's model and fill it. With a quantization plan, a pre-quantized checkpoint gets its
     quantized layers swapped in before loading; float weights (a float checkpoint, or random weights for a
-    benchmark of any plan) are rounded after."""
+    benchmark of any plan) are rounded after. With a tensor-parallel group whose decoder loads per rank
+    (distributed/sharded_load.py), the model is built with this rank's widths and reads only its slices (random
+    weights are then drawn per slice); the caller's pass (distributed/shard.py) finishes the split."""
     cls = checkpoint.family.model_class()
+    local = tp_group is not None and loads_sharded(checkpoint.hf_config, tp_group)
+    hf_config = local_config(checkpoint.hf_config, tp_group) if local else checkpoint.hf_config
     with torch.device(device), _default_dtype(dtype):
-        model = cls(checkpoint.hf_config)
+        model = cls(hf_config)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
         if quant_plan is not None:
@@ -158,7 +164,10 @@ def load_model(model_config: ModelConfig, checkpoint: Checkpoint, device: str, d
     prequantized = quant_plan is not None and quant_plan.prequantized
     if prequantized:
         prepare_for_checkpoint(model, quant_plan, checkpoint_tensor_names(checkpoint.path))
-    filled = model.load_weights((name, t.to(device)) for name, t in iterate_checkpoint(checkpoint.path))
+    weights = iterate_checkpoint(checkpoint.path)
+    if local:
+        weights = narrow_checkpoint(weights, checkpoint.hf_config, tp_group)
+    filled = model.load_weights((name, t.to(device)) for name, t in weights)
     check_all_loaded(model, filled)
     if prequantized:
         finish_loading(model)

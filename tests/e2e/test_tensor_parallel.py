@@ -1,0 +1,202 @@
+"""Tensor parallelism on CPU: 2 (or 4) processes over gloo on the tiny checkpoints give the greedy tokens of
+tensor_parallel_size 1 (float32), and a failing rank gives a clear error and leaves no process behind."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from flashvlm import LLM, SamplingParams
+from flashvlm.config import ConfigError, EngineConfig
+from flashvlm.distributed.encoder import shares
+from flashvlm.distributed.group import TensorParallelError, TPGroup
+from flashvlm.distributed.shard import head_split
+from flashvlm.distributed.workers import FAULT_ENV
+from flashvlm.request import MMItem
+from flashvlm.testing.tiny_checkpoints import build_fuyu, build_llava, build_llava_next, build_qwen2_vl, build_qwen3_vl
+
+QWEN = "<|vision_start|><|image_pad|><|vision_end|>"
+FAMILIES = {"qwen2_vl": (build_qwen2_vl, QWEN), "qwen3_vl": (build_qwen3_vl, QWEN), "llava": (build_llava, "<image>\n"),
+            "llava_next": (build_llava_next, "<image>\n"), "fuyu": (build_fuyu, "|SPEAKER|")}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+OPTIONS = {"device": "cpu", "dtype": "float32", "kv_cache_tokens": 2048, "distributed_timeout_s": 60}
+
+
+def _image(w: int, h: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def _prompts(placeholder: str, max_images: int) -> list:
+    # Three images in one step: ranks encode unequal shares (2 and 1) of them.
+    prompts = [{"prompt": placeholder + "describe the picture", "images": [_image(56, 112, 0)]},
+               "a prompt without an image, long enough to differ"]
+    if max_images > 1:
+        prompts.append({"prompt": placeholder * 2 + "two", "images": [_image(140, 84, 1), _image(84, 84, 2)]})
+    return prompts
+
+
+def _tokens(path, size: int, prompts: list, params: SamplingParams = GREEDY, **options) -> list[list[int]]:
+    with LLM(str(path), tensor_parallel_size=size, **OPTIONS, **options) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def _parity(tmp_path, family: str, size: int = 2, **build) -> None:
+    builder, placeholder = FAMILIES[family]
+    path = builder(tmp_path / family, **build)
+    prompts = _prompts(placeholder, 1 if family == "fuyu" else 2)
+    single = _tokens(path, 1, prompts)
+    assert _tokens(path, size, prompts, mm_encoder_tp_mode="data") == single
+
+
+def test_qwen2_vl_matches_one_rank(tmp_path):
+    _parity(tmp_path, "qwen2_vl")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_vl", "llava", "llava_next", "fuyu"])
+def test_family_matches_one_rank(tmp_path, family):
+    _parity(tmp_path, family)
+
+
+@pytest.mark.slow
+def test_tied_embeddings_match_one_rank(tmp_path):
+    _parity(tmp_path, "qwen2_vl", tie_word_embeddings=True)
+
+
+@pytest.mark.slow
+def test_four_ranks_replicate_kv_heads(tmp_path):
+    """4 ranks, 2 KV heads: each KV head is kept by the two ranks whose query heads read it."""
+    _parity(tmp_path, "qwen2_vl", size=4)
+
+
+@pytest.mark.slow
+def test_preemption_and_samples_match_one_rank(tmp_path):
+    """A KV cache too small for the batch preempts and recomputes requests: the workers' mirrored requests follow
+    (sent whole again when they come back); n=2 samples of a seeded request match too."""
+    path = build_qwen2_vl(tmp_path / "q")
+    prompts = _prompts(QWEN, 2) + [f"prompt number {i} with some words" for i in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
+    params[1] = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=12, ignore_eos=True)
+    results = []
+    for size in (1, 2):
+        with LLM(str(path), tensor_parallel_size=size, **{**OPTIONS, "kv_cache_tokens": 192}) as llm:
+            outs = llm.generate(prompts, params)
+            results.append([[c.token_ids for c in o.outputs] for o in outs])
+            if size == 2:
+                assert llm.engine.stats()["num_preemptions"] > 0
+    assert results[0] == results[1]
+
+
+@pytest.mark.slow
+def test_triton_backend_on_each_rank_matches_one_rank(tmp_path):
+    """The Triton attention kernels (Triton's interpreter on CPU) read each rank's head counts from its tensors;
+    a small token budget adds chunked prefill mixed with decode."""
+    pytest.importorskip("triton")
+    path = build_qwen2_vl(tmp_path / "q")
+    prompts, params = _prompts(QWEN, 1), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    single = _tokens(path, 1, prompts, params, attention_backend="reference")
+    assert _tokens(path, 2, prompts, params, attention_backend="triton", kernel_backend="torch",
+                   enforce_eager=True, max_num_batched_tokens=24) == single
+
+
+def test_rank_zero_holds_its_share(tmp_path):
+    path = build_qwen2_vl(tmp_path / "q")
+    with LLM(str(path), tensor_parallel_size=2, **OPTIONS) as llm:
+        engine = llm.engine
+        attn = engine.model.language_model.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads, attn.attn.num_heads, attn.attn.num_kv_heads) == (2, 1, 2, 1)
+        assert engine.runner.kv_caches[0].shape[3] == 1  # the KV cache holds this rank's one KV head
+        # built with this rank's widths and loaded as slices: the full language model never existed here
+        assert engine.model.language_model.cfg.num_attention_heads == 2
+        assert engine.model.language_model.layers[0].mlp.gate_up_proj.weight.shape[0] == 128  # 2 x 128 / 2
+        assert engine.model.lm_head.weight.shape[0] == engine.model.vocab_size // 2
+        assert engine.model.language_model.embed_tokens.weight.shape[0] == engine.model.vocab_size // 2
+        processes = engine.tp.processes
+        assert len(processes) == 1 and processes[0].is_alive()
+    assert not processes[0].is_alive() and processes[0].exitcode == 0
+
+
+def test_one_rank_runs_the_same_engine(tmp_path):
+    path = build_qwen2_vl(tmp_path / "q")
+    with LLM(str(path), tensor_parallel_size=1, **OPTIONS) as llm:
+        assert llm.engine.tp.group.size == 1 and llm.engine.tp.processes == []
+        assert llm.engine.model.language_model.layers[0].self_attn.num_heads == 4
+
+
+@pytest.mark.parametrize("where", ["step:2", "startup"])
+def test_failing_rank_raises_and_leaves_no_process(tmp_path, monkeypatch, where):
+    path = build_qwen2_vl(tmp_path / "q")
+    monkeypatch.setenv(FAULT_ENV, f"1:{where}")
+    prompts = _prompts(QWEN, 2)
+    if where == "startup":
+        with pytest.raises(TensorParallelError, match="rank 1 failed: RuntimeError: injected fault"):
+            LLM(str(path), tensor_parallel_size=2, **OPTIONS)
+        return
+    llm = LLM(str(path), tensor_parallel_size=2, **OPTIONS)
+    processes = llm.engine.tp.processes
+    with pytest.raises(TensorParallelError, match="rank 1 failed: RuntimeError: injected fault"):
+        llm.generate(prompts, GREEDY)
+    assert not any(p.is_alive() for p in processes)
+    with pytest.raises(TensorParallelError, match="stopped after an earlier failure"):
+        llm.generate(prompts, GREEDY)
+    llm.close()
+
+
+def test_a_model_the_ranks_cannot_split_is_a_config_error(tmp_path):
+    """4 attention heads over 3 ranks: rank 0's own error (every rank finds it), not a worker's report."""
+    path = build_qwen2_vl(tmp_path / "q")
+    with pytest.raises(ConfigError, match="tensor_parallel_size 3 must divide the model's 4 attention heads"):
+        LLM(str(path), tensor_parallel_size=3, **OPTIONS)
+
+
+@pytest.mark.slow
+def test_hung_rank_times_out_with_a_clear_error(tmp_path, monkeypatch):
+    path = build_qwen2_vl(tmp_path / "q")
+    monkeypatch.setenv(FAULT_ENV, "1:hang-step:1")
+    llm = LLM(str(path), tensor_parallel_size=2, **{**OPTIONS, "distributed_timeout_s": 10})
+    processes = llm.engine.tp.processes
+    with pytest.raises(TensorParallelError, match="collective failed"):
+        llm.generate(_prompts(QWEN, 2), GREEDY)
+    assert not any(p.is_alive() for p in processes)
+
+
+@pytest.mark.slow
+def test_idle_workers_outlive_the_collective_timeout(tmp_path):
+    """Workers wait for the next step on a pipe, not in a collective: an engine idle for longer than
+    distributed_timeout_s still steps."""
+    path = build_qwen2_vl(tmp_path / "q")
+    with LLM(str(path), tensor_parallel_size=2, **{**OPTIONS, "distributed_timeout_s": 10}) as llm:
+        first = llm.generate("hello", GREEDY)[0].outputs[0].token_ids
+        time.sleep(11)
+        assert llm.generate("hello", GREEDY)[0].outputs[0].token_ids == first
+
+
+def test_weights_mode_and_quantization_are_refused():
+    with pytest.raises(ConfigError, match="mm_encoder_tp_mode 'weights'.*not built yet"):
+        EngineConfig.from_options(None, device="cpu", tensor_parallel_size=2, mm_encoder_tp_mode="weights").validate()
+    with pytest.raises(ConfigError, match="quantized layers are not sharded"):
+        EngineConfig.from_options(None, device="cpu", tensor_parallel_size=2, quantization="int8").validate()
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1"):
+        EngineConfig.from_options(None, device="cpu", tensor_parallel_size=0).validate()
+    EngineConfig.from_options(None, device="cpu", tensor_parallel_size=1, mm_encoder_tp_mode="weights").validate()
+
+
+def test_head_split():
+    def split(heads, kv, size):
+        return [head_split(heads, kv, TPGroup(r, size)) for r in range(size)]
+
+    assert split(4, 2, 2) == [(range(0, 2), range(0, 1)), (range(2, 4), range(1, 2))]
+    # fewer KV heads than ranks: rank r keeps the KV head its query heads read
+    assert [kv for _, kv in split(8, 2, 4)] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    with pytest.raises(ConfigError, match="attention heads"):
+        head_split(6, 2, TPGroup(0, 4))
+    with pytest.raises(ConfigError, match="KV heads"):
+        head_split(12, 3, TPGroup(0, 2))
+
+
+def test_image_shares_balance_tokens():
+    items = [MMItem(mm_hash=str(i), pixel_values=None, num_tokens=n) for i, n in enumerate([10, 4, 4, 3])]
+    assert shares(items, 2) == [[0], [1, 2, 3]]
+    assert shares(items[:1], 2) == [[0], []]
