@@ -27,9 +27,6 @@ from flashvlm.distributed.step_messages import StepReceiver, StepSender
 
 logger = logging.getLogger(__name__)
 
-FAULT_ENV = "FLASHVLM_TP_TEST_FAULT"
-"""Test hook read by workers only: "RANK:startup" or "RANK:step:N" makes that rank raise there,
-"RANK:hang-step:N" makes it stop answering (tests/e2e)."""
 _STOP = "stop"
 _START_S = 300.0
 """Least time a worker is given to import flashvlm and torch before it joins (a busy host is slow at that); a
@@ -39,14 +36,6 @@ worker that dies meanwhile is reported at once."""
 def rank_device(device: str, rank: int) -> str:
     """Rank r's device: cuda:r on GPUs (device 'cuda' or 'cuda:0'), the CPU as it is."""
     return f"cuda:{rank}" if device.startswith("cuda") else device
-
-
-def _injected(rank: int, where: str) -> None:
-    spec = os.environ.get(FAULT_ENV, "")
-    if spec and spec.split(":", 1) == [str(rank), where]:
-        raise RuntimeError(f"injected fault ({FAULT_ENV}={spec})")
-    if spec and spec.split(":", 1) == [str(rank), f"hang-{where}"]:
-        time.sleep(3600)  # a rank that stops answering: rank 0's collective times out
 
 
 class TensorParallel:
@@ -213,9 +202,8 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, pipe: Any, co
         pipe.send(("started", None))
         group = TPGroup.join(rank, config.tensor_parallel_size, init_method, config.device,
                              config.distributed_timeout_s)
-        _injected(rank, "startup")
         engine = Engine(config, tp=TensorParallel(group, [], [], None))
-        receiver, step = StepReceiver(), 0
+        receiver = StepReceiver()
         while True:
             try:
                 message = pickle.loads(commands.recv_bytes())
@@ -223,8 +211,6 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, pipe: Any, co
                 break
             if message == _STOP:
                 break
-            step += 1
-            _injected(rank, f"step:{step}")
             engine.run_worker_step(*receiver.receive(message))
         group.destroy()
         pipe.close()

@@ -3,6 +3,7 @@ tensor_parallel_size 1 (float32), and a failing rank gives a clear error and lea
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -13,7 +14,6 @@ from flashvlm.config import ConfigError, EngineConfig
 from flashvlm.distributed.encoder import shares
 from flashvlm.distributed.group import TensorParallelError, TPGroup
 from flashvlm.distributed.shard import head_split
-from flashvlm.distributed.workers import FAULT_ENV
 from flashvlm.request import MMItem
 from flashvlm.testing.tiny_checkpoints import build_fuyu, build_llava, build_llava_next, build_qwen2_vl, build_qwen3_vl
 
@@ -125,10 +125,18 @@ def test_one_rank_runs_the_same_engine(tmp_path):
         assert llm.engine.model.language_model.layers[0].self_attn.num_heads == 4
 
 
+def _fail_rank_1(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    import tp_faults
+
+    from flashvlm.distributed import workers
+
+    monkeypatch.setattr(workers, "worker_main", functools.partial(tp_faults.faulty_worker, where))
+
+
 @pytest.mark.parametrize("where", ["step:2", "startup"])
 def test_failing_rank_raises_and_leaves_no_process(tmp_path, monkeypatch, where):
     path = build_qwen2_vl(tmp_path / "q")
-    monkeypatch.setenv(FAULT_ENV, f"1:{where}")
+    _fail_rank_1(monkeypatch, where)
     prompts = _prompts(QWEN, 2)
     if where == "startup":
         with pytest.raises(TensorParallelError, match="rank 1 failed: RuntimeError: injected fault"):
@@ -154,7 +162,7 @@ def test_a_model_the_ranks_cannot_split_is_a_config_error(tmp_path):
 @pytest.mark.slow
 def test_hung_rank_times_out_with_a_clear_error(tmp_path, monkeypatch):
     path = build_qwen2_vl(tmp_path / "q")
-    monkeypatch.setenv(FAULT_ENV, "1:hang-step:1")
+    _fail_rank_1(monkeypatch, "hang-step:1")
     llm = LLM(str(path), tensor_parallel_size=2, **{**OPTIONS, "distributed_timeout_s": 10})
     processes = llm.engine.tp.processes
     with pytest.raises(TensorParallelError, match="collective failed"):
