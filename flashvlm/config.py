@@ -182,8 +182,9 @@ class EngineConfig:
     mm_encoder_tp_mode: str = option(
         "data", choices=("data", "weights"),
         help="with tensor_parallel_size > 1, the vision tower: data = whole on every rank, each rank encodes a "
-             "share of the step's images and the embeddings are gathered; weights (sharded like the language "
-             "model) is not built yet and is refused")
+             "share of the step's images and the embeddings are gathered; weights = sharded like the language "
+             "model (attention heads and MLPs split, a sum over ranks after each), every rank encoding every "
+             "image; Fuyu's patch projection stays whole in both")
     distributed_timeout_s: int = option(
         600, minimum=1,
         help="with tensor_parallel_size > 1: seconds a rank waits for the others (start-up, each collective) "
@@ -284,9 +285,6 @@ class EngineConfig:
         n = self.tensor_parallel_size
         if n == 1:
             return
-        if self.mm_encoder_tp_mode == "weights":
-            raise ConfigError("mm_encoder_tp_mode 'weights' (a sharded vision tower) is not built yet: use 'data' "
-                              "(the tower whole on every rank, the step's images split between ranks)")
         if self.model.quantization is not None:
             raise ConfigError(f"quantization {self.model.quantization!r} with tensor_parallel_size {n}: quantized "
                               "layers are not sharded yet")

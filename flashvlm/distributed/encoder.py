@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from flashvlm.distributed.group import TPGroup
+from flashvlm.distributed.shard_vision import shard_vision
 from flashvlm.request import MMItem
 
 Encode = Callable[[list[MMItem]], list[torch.Tensor]]
@@ -54,10 +55,15 @@ class DataParallelEncoder:
         return out  # type: ignore[return-value]
 
 
-def split_encoder(model, group: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
-    """Make `model.encode_images` data-parallel over the group (no-op at size 1)."""
-    if group.size > 1:
+def split_encoder(model, group: TPGroup, mode: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Split `model`'s vision work over the group by `mode` (--mm-encoder-tp-mode): 'data' makes
+    `encode_images` data-parallel, 'weights' shards the tower (shard_vision.py). No-op at size 1."""
+    if group.size == 1:
+        return
+    if mode == "weights":
+        shard_vision(model, group)
+    else:
         model.encode_images = DataParallelEncoder(model.encode_images, group, model.embedding_width, dtype, device)
-        # The vision graphs replay a whole call by the step's image shapes; this rank's share and the gather
-        # around it are not captured yet, so the tower runs eagerly.
-        model.vision_graphable = False
+    # The vision graphs replay a whole call by the step's image shapes; neither this rank's share and the gather
+    # around it (data) nor the tower's all-reduces inside it (weights) have been captured, so the tower runs eagerly.
+    model.vision_graphable = False

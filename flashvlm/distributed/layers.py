@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashvlm.distributed.group import TPGroup
-from flashvlm.layers.linear import Linear, linear
+from flashvlm.layers.linear import Linear, PlainLinear, linear
 
 
 class RowParallelLinear(Linear):
@@ -31,6 +31,24 @@ class RowParallelLinear(Linear):
         out = linear(x, self.weight, None, max_rows=self.gemv_max_rows, enabled=self.use_triton_kernels,
                      locks=self.gemv_locks)
         out = self.group.all_reduce(out)
+        return out if self.bias is None else out + self.bias
+
+
+class PlainRowParallelLinear(PlainLinear):
+    """RowParallelLinear for the vision towers and projectors: their product stays F.linear at every row count
+    (PlainLinear), then the sum over ranks and the bias once."""
+
+    def __init__(self, full: nn.Linear, group: TPGroup, start: int, end: int) -> None:
+        super().__init__(end - start, full.out_features, bias=full.bias is not None)
+        self.to(device=full.weight.device, dtype=full.weight.dtype)
+        self.group = group
+        with torch.no_grad():
+            self.weight.copy_(full.weight[:, start:end])
+            if full.bias is not None:
+                self.bias.copy_(full.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.group.all_reduce(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 

@@ -3,7 +3,8 @@
 Attention heads and KV heads are split over ranks (KV heads replicated when there are fewer than ranks), QKV and
 gate/up keep their rows of the local heads and columns (column-parallel, no communication), o_proj and down_proj
 keep the matching input columns and sum over ranks (RowParallelLinear), the embedding and the LM head are split by
-vocabulary. The vision tower stays whole on every rank (--mm-encoder-tp-mode data: encoder.py)."""
+vocabulary. The vision tower is left to --mm-encoder-tp-mode: whole on every rank (data, encoder.py) or sharded
+by its own pass (weights, shard_vision.py)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _rows(heads: range, head_dim: int) -> slice:
     return slice(heads.start * head_dim, heads.stop * head_dim)
 
 
-def _column_slice(full: MergedLinear, parts: list[slice]) -> MergedLinear:
+def column_slice(full: MergedLinear, parts: list[slice]) -> MergedLinear:
     """A MergedLinear keeping, of each packed projection, the rows `parts[i]` (offsets within that projection)."""
     sizes = [p.stop - p.start for p in parts]
     new = MergedLinear(full.in_features, sizes, bias=full.bias is not None)
@@ -59,7 +60,7 @@ def _shard_attention(attn: DecoderAttention, group: TPGroup, part: TPGroup) -> N
     heads, kv_heads = head_split(attn.num_heads, attn.num_kv_heads, part)
     q_rows, kv_rows = _rows(heads, attn.head_dim), _rows(kv_heads, attn.head_dim)
     if part.size > 1:
-        attn.qkv_proj = _column_slice(attn.qkv_proj, [q_rows, kv_rows, kv_rows])
+        attn.qkv_proj = column_slice(attn.qkv_proj, [q_rows, kv_rows, kv_rows])
     attn.o_proj = RowParallelLinear(attn.o_proj, group, q_rows.start, q_rows.stop)
     attn.num_heads, attn.num_kv_heads = len(heads), len(kv_heads)
     attn.attn.num_heads, attn.attn.num_kv_heads = len(heads), len(kv_heads)
@@ -68,7 +69,7 @@ def _shard_attention(attn: DecoderAttention, group: TPGroup, part: TPGroup) -> N
 def _shard_persimmon_attention(attn: PersimmonAttention, group: TPGroup) -> None:
     heads, _ = head_split(attn.num_heads, attn.num_heads, group)
     rows = _rows(heads, attn.head_dim)
-    attn.query_key_value = _column_slice(attn.query_key_value, [rows, rows, rows])
+    attn.query_key_value = column_slice(attn.query_key_value, [rows, rows, rows])
     attn.dense = RowParallelLinear(attn.dense, group, rows.start, rows.stop)
     attn.num_heads = attn.attn.num_heads = attn.attn.num_kv_heads = len(heads)
 
@@ -83,22 +84,24 @@ def intermediate_rows(inter: int, group: TPGroup) -> slice:
 def _shard_persimmon_mlp(mlp: PersimmonMLP, group: TPGroup) -> None:
     up = mlp.dense_h_to_4h
     rows = intermediate_rows(up.out_features, group)
-    mlp.dense_h_to_4h = _column_slice(_as_merged(up), [rows])
+    mlp.dense_h_to_4h = column_slice(_as_merged(up), [rows])
     mlp.dense_4h_to_h = RowParallelLinear(mlp.dense_4h_to_h, group, rows.start, rows.stop)
 
 
 def _as_merged(layer: Linear) -> MergedLinear:
-    """A Linear seen as a MergedLinear of one projection (same parameters), for _column_slice."""
+    """A Linear seen as a MergedLinear of one projection (same parameters), for column_slice."""
     merged = MergedLinear(layer.in_features, [layer.out_features], bias=layer.bias is not None).to("meta")
     merged.weight, merged.bias = layer.weight, layer.bias
     merged.use_triton_kernels, merged.gemv_max_rows = layer.use_triton_kernels, layer.gemv_max_rows
     return merged
 
 
-def _shard_mlp(mlp: GatedMLP, group: TPGroup, part: TPGroup) -> None:
+def shard_gated_mlp(mlp: GatedMLP, group: TPGroup, part: TPGroup | None = None) -> None:
+    """gate/up keep their rows of the split width, down its columns (`part`: how gate/up are cut, see shard_model)."""
+    part = group if part is None else part
     rows = intermediate_rows(mlp.gate_up_proj.out_sizes[0], part)
     if part.size > 1:
-        mlp.gate_up_proj = _column_slice(mlp.gate_up_proj, [rows, rows])
+        mlp.gate_up_proj = column_slice(mlp.gate_up_proj, [rows, rows])
     mlp.down_proj = RowParallelLinear(mlp.down_proj, group, rows.start, rows.stop)
 
 
@@ -120,7 +123,7 @@ def shard_model(model: nn.Module, group: TPGroup, loaded_local: bool = False) ->
             _shard_persimmon_attention(module, group)
             sharded_attn += 1
         elif isinstance(module, GatedMLP):
-            _shard_mlp(module, group, part)
+            shard_gated_mlp(module, group, part)
         elif isinstance(module, PersimmonMLP):
             _shard_persimmon_mlp(module, group)
     if sharded_attn != len(lm.layers):

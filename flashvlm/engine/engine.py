@@ -77,7 +77,7 @@ class Engine:
                               "by tensor parallelism yet")
         self.model = load_model(mc, self.checkpoint, config.device, self.dtype, quant_plan, self.tp.group)
         shard_model(self.model, self.tp.group, loads_sharded(self.checkpoint.hf_config, self.tp.group))
-        split_encoder(self.model, self.tp.group, self.dtype, torch.device(config.device))
+        split_encoder(self.model, self.tp.group, config.mm_encoder_tp_mode, self.dtype, torch.device(config.device))
         set_kernel_backend(self.model, config.kernel_backend)
         attention_backend, vision_attention = config.attention_for_dtype(self.dtype)
         if (attention_backend, vision_attention) != (config.attention_backend, config.vision_attention):

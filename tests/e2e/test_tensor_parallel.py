@@ -1,5 +1,6 @@
 """Tensor parallelism on CPU: 2 (or 4) processes over gloo on the tiny checkpoints give the greedy tokens of
-tensor_parallel_size 1 (float32), and a failing rank gives a clear error and leaves no process behind."""
+tensor_parallel_size 1 (float32) with either vision-tower mode, and a failing rank gives a clear error and leaves no
+process behind."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from flashvlm.request import MMItem
 from flashvlm.testing.tiny_checkpoints import build_fuyu, build_llava, build_llava_next, build_qwen2_vl, build_qwen3_vl
 
 QWEN = "<|vision_start|><|image_pad|><|vision_end|>"
-FAMILIES = {"qwen2_vl": (build_qwen2_vl, QWEN), "qwen3_vl": (build_qwen3_vl, QWEN), "llava": (build_llava, "<image>\n"),
+FAMILIES = {"qwen2_vl": (build_qwen2_vl, QWEN), "qwen2_5_vl": (functools.partial(build_qwen2_vl, qwen25=True), QWEN),
+            "qwen3_vl": (build_qwen3_vl, QWEN), "llava": (build_llava, "<image>\n"),
             "llava_next": (build_llava_next, "<image>\n"), "fuyu": (build_fuyu, "|SPEAKER|")}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 OPTIONS = {"device": "cpu", "dtype": "float32", "kv_cache_tokens": 2048, "distributed_timeout_s": 60}
@@ -42,12 +44,13 @@ def _tokens(path, size: int, prompts: list, params: SamplingParams = GREEDY, **o
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-def _parity(tmp_path, family: str, size: int = 2, **build) -> None:
+def _parity(tmp_path, family: str, size: int = 2, modes: tuple[str, ...] = ("data", "weights"), **build) -> None:
     builder, placeholder = FAMILIES[family]
     path = builder(tmp_path / family, **build)
     prompts = _prompts(placeholder, 1 if family == "fuyu" else 2)
     single = _tokens(path, 1, prompts)
-    assert _tokens(path, size, prompts, mm_encoder_tp_mode="data") == single
+    for mode in modes:
+        assert _tokens(path, size, prompts, mm_encoder_tp_mode=mode) == single, mode
 
 
 def test_qwen2_vl_matches_one_rank(tmp_path):
@@ -55,7 +58,7 @@ def test_qwen2_vl_matches_one_rank(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_vl", "llava", "llava_next", "fuyu"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "fuyu"])
 def test_family_matches_one_rank(tmp_path, family):
     _parity(tmp_path, family)
 
@@ -67,8 +70,16 @@ def test_tied_embeddings_match_one_rank(tmp_path):
 
 @pytest.mark.slow
 def test_four_ranks_replicate_kv_heads(tmp_path):
-    """4 ranks, 2 KV heads: each KV head is kept by the two ranks whose query heads read it."""
-    _parity(tmp_path, "qwen2_vl", size=4)
+    """4 ranks, 2 KV heads: each KV head is kept by the two ranks whose query heads read it (the tower's 2 heads
+    do not split over 4 ranks: data mode)."""
+    _parity(tmp_path, "qwen2_vl", size=4, modes=("data",))
+
+
+@pytest.mark.slow
+def test_a_tower_the_ranks_cannot_split_is_a_config_error(tmp_path):
+    path = build_qwen2_vl(tmp_path / "q")
+    with pytest.raises(ConfigError, match="tensor_parallel_size 4 must divide the vision tower's 2 attention heads"):
+        LLM(str(path), tensor_parallel_size=4, mm_encoder_tp_mode="weights", **OPTIONS)
 
 
 @pytest.mark.slow
@@ -181,9 +192,9 @@ def test_idle_workers_outlive_the_collective_timeout(tmp_path):
         assert llm.generate("hello", GREEDY)[0].outputs[0].token_ids == first
 
 
-def test_weights_mode_and_quantization_are_refused():
-    with pytest.raises(ConfigError, match="mm_encoder_tp_mode 'weights'.*not built yet"):
-        EngineConfig.from_options(None, device="cpu", tensor_parallel_size=2, mm_encoder_tp_mode="weights").validate()
+def test_quantization_is_refused_and_both_encoder_modes_validate():
+    for mode in ("data", "weights"):
+        EngineConfig.from_options(None, device="cpu", tensor_parallel_size=2, mm_encoder_tp_mode=mode).validate()
     with pytest.raises(ConfigError, match="quantized layers are not sharded"):
         EngineConfig.from_options(None, device="cpu", tensor_parallel_size=2, quantization="int8").validate()
     with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1"):
