@@ -11,18 +11,23 @@ from flashvlm.distributed.group import TPGroup
 from flashvlm.layers.linear import Linear, PlainLinear, linear
 
 
+def _take_columns(layer: nn.Linear, full: nn.Linear, start: int, end: int) -> None:
+    """`layer` (built end - start wide) takes columns [start, end) of `full`'s weight and all of its bias."""
+    layer.to(device=full.weight.device, dtype=full.weight.dtype)
+    with torch.no_grad():
+        layer.weight.copy_(full.weight[:, start:end])
+        if full.bias is not None:
+            layer.bias.copy_(full.bias)
+
+
 class RowParallelLinear(Linear):
     """A Linear holding this rank's slice of the input columns: partial products summed over ranks, then the
     bias once (o_proj, down_proj)."""
 
     def __init__(self, full: nn.Linear, group: TPGroup, start: int, end: int) -> None:
         super().__init__(end - start, full.out_features, bias=full.bias is not None)
-        self.to(device=full.weight.device, dtype=full.weight.dtype)
+        _take_columns(self, full, start, end)
         self.group = group
-        with torch.no_grad():
-            self.weight.copy_(full.weight[:, start:end])
-            if full.bias is not None:
-                self.bias.copy_(full.bias)
         for name in ("use_triton_kernels", "gemv_max_rows"):
             if hasattr(full, name):
                 setattr(self, name, getattr(full, name))
@@ -40,12 +45,8 @@ class PlainRowParallelLinear(PlainLinear):
 
     def __init__(self, full: nn.Linear, group: TPGroup, start: int, end: int) -> None:
         super().__init__(end - start, full.out_features, bias=full.bias is not None)
-        self.to(device=full.weight.device, dtype=full.weight.dtype)
+        _take_columns(self, full, start, end)
         self.group = group
-        with torch.no_grad():
-            self.weight.copy_(full.weight[:, start:end])
-            if full.bias is not None:
-                self.bias.copy_(full.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.group.all_reduce(F.linear(x, self.weight))
