@@ -33,6 +33,9 @@ def add_workload_args(p: argparse.ArgumentParser, with_seed: bool = True) -> Non
     g.add_argument("--long-context", action="store_true",
                    help="stress preset: 16K text tokens + one 1344x1344 image per request")
     g.add_argument("--dataset", default=None, help="JSONL of {prompt, images: [paths], max_tokens?} instead")
+    g.add_argument("--video", default=None, metavar="FRAMESxWxH",
+                   help="add one synthetic video of FRAMES frames of WxH to each request, e.g. 16x640x360 (Qwen-VL "
+                        "models; offline scenarios and the transformers baseline only)")
     if with_seed:  # offline scenarios share the engine's --seed (weights, sampling and workload)
         g.add_argument("--seed", type=int, default=0, help="workload seed")
 
@@ -114,7 +117,18 @@ def build_parser(sub: argparse._SubParsersAction) -> None:
 
 
 # ---- workload ----------------------------------------------------------------------------------
-def _workload(args: argparse.Namespace, placeholder: str) -> tuple[list[BenchRequest], dict[str, Any]]:
+def _workload(args: argparse.Namespace, placeholder: str,
+              video_placeholder: str | None = None) -> tuple[list[BenchRequest], dict[str, Any]]:
+    requests, workload = _image_workload(args, placeholder)
+    if getattr(args, "video", None):
+        from flashvlm.bench.video_workload import add_videos
+
+        requests = add_videos(requests, args.video, video_placeholder, args.seed)
+        workload = {**workload, "video": args.video}
+    return requests, workload
+
+
+def _image_workload(args: argparse.Namespace, placeholder: str) -> tuple[list[BenchRequest], dict[str, Any]]:
     from flashvlm.bench import workloads as wl
 
     if args.dataset:
@@ -222,6 +236,9 @@ def _run_offline(args: argparse.Namespace, scenario: str, configs: list[dict[str
     from flashvlm.llm import LLM
     from flashvlm.options import engine_config_from_args
 
+    if getattr(args, "video", None) and (scenario == "multiturn" or getattr(args, "baseline", None) == "vllm"):
+        raise ValueError("--video runs the latency and throughput scenarios, with or without the transformers "
+                         "baseline (the multiturn scenario and the vllm baseline send no videos)")
     path = _model_path(args)
     vllm_base = _vllm_baseline(args, path) if getattr(args, "baseline", None) == "vllm" else None
     runs: list[ScenarioResult] = []
@@ -233,7 +250,8 @@ def _run_offline(args: argparse.Namespace, scenario: str, configs: list[dict[str
         label = cfg.pop("name", "flashvlm")
         llm = LLM.from_config(engine_config_from_args(args, model=path, **cfg))
         if not requests:
-            requests, workload = _workload(args, llm.engine.checkpoint.family.image_placeholder)
+            family = llm.engine.checkpoint.family
+            requests, workload = _workload(args, family.image_placeholder, family.video_placeholder)
         warm_up(llm, requests, args.warmup)
         bar, update = _progress(args, len(requests), f"{scenario} [{label}]")
         result = SCENARIOS[scenario](llm, requests, workload, label=label, progress=update)
@@ -294,6 +312,8 @@ def _run_serve(args: argparse.Namespace) -> list[ScenarioResult]:
     from flashvlm.bench.loadgen import run_load_sync
     from flashvlm.bench.workloads import arrival_times, assign_tiers, parse_tier_mix
 
+    if getattr(args, "video", None):
+        raise ValueError("--video: the serve scenario sends no videos yet; use an offline scenario")
     requests, workload = _workload(args, "")
     offsets = None
     if args.request_rate != float("inf"):

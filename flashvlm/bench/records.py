@@ -29,12 +29,14 @@ class BenchRequest:
     prompt_token_ids: list[int] | None = None
     image_keys: list[str] = field(default_factory=list)
     """Stable ids of the images (equal keys = the same picture), for repeated-image workloads."""
+    videos: list[Any] = field(default_factory=list)
+    """Videos (each a list of frames, as numpy arrays, or encoded bytes), one placeholder each in the prompt."""
 
     def engine_prompt(self) -> dict[str, Any]:
         """The prompt dict `LLM.generate` / `InputProcessor.process` take."""
-        if self.prompt_token_ids is not None:
-            return {"prompt_token_ids": self.prompt_token_ids, "images": self.images}
-        return {"prompt": self.prompt, "images": self.images}
+        prompt: dict[str, Any] = ({"prompt_token_ids": self.prompt_token_ids} if self.prompt_token_ids is not None
+                                  else {"prompt": self.prompt})
+        return {**prompt, "images": self.images, **({"videos": self.videos} if self.videos else {})}
 
 
 @dataclass

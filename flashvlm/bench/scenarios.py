@@ -115,10 +115,15 @@ def engine_config_dict(llm: LLM) -> dict[str, Any]:
 def warm_up(llm: LLM, requests: list[BenchRequest], n: int = 1) -> None:
     """Run n requests shaped like the first ones (2 output tokens) so lazy initialisation and kernel compiles
     stay out of the numbers. Their images are mirrored copies: the same sizes, but different content hashes,
-    so the warm-up never seeds the prefix or encoder caches with a picture the measured run then reuses."""
+    so the warm-up never seeds the prefix or encoder caches with a picture the measured run then reuses (videos
+    given as frames: each frame mirrored)."""
+    def mirror(im: Any) -> Any:
+        return np.ascontiguousarray(im[:, ::-1]) if isinstance(im, np.ndarray) else im
+
     for req in requests[:n]:
-        images = [np.ascontiguousarray(im[:, ::-1]) if isinstance(im, np.ndarray) else im for im in req.images]
-        prompt = {**req.engine_prompt(), "images": images}
+        prompt = {**req.engine_prompt(), "images": [mirror(im) for im in req.images]}
+        if req.videos:
+            prompt["videos"] = [[mirror(f) for f in v] if isinstance(v, list) else v for v in req.videos]
         llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
 
 

@@ -46,6 +46,8 @@ class ModelFamily:
     """`config.model_type` of its checkpoints."""
     image_placeholder: str
     """The text a raw (untemplated) prompt writes for one image, as the benchmark's workloads do."""
+    video_placeholder: str | None = None
+    """The same for one video; None: the family takes no video input."""
 
     def model_class(self) -> type[VLModel]:
         raise NotImplementedError

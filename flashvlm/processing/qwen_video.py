@@ -214,6 +214,30 @@ class QwenVideoInputs:
                 ids.append(self.vision_end_id)
         return items, ids
 
+    def baseline_inputs(self, items: list[MMItem], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        image_token_id: int, device: str) -> dict[str, torch.Tensor]:
+        """The video arguments of the transformers model's `generate` for a batch's frame items, in order (the
+        benchmark's baseline): pixel_values_videos, video_grid_thw (Qwen2/2.5-VL: one row per video, a video
+        starting at its patch 0; Qwen3-VL: one per temporal patch, as its position rule splits them anyway),
+        Qwen2.5-VL's second_per_grid_ts (the items' time step, so its positions equal ours), and mm_token_type_ids
+        marking image (1) and video (2) tokens, which replaces the images'."""
+        grids: list[list[int]] = []
+        steps: list[float] = []
+        for item in items:
+            if item.frame is None or item.frame[0] == 0:
+                grids.append([0, *item.layout[1:]])
+                if item.frame is not None and self.tokens_per_second is not None:
+                    steps.append(item.frame[1] / self.tokens_per_second)
+            grids[-1][0] += 1
+        live = attention_mask == 1
+        out = {"pixel_values_videos": torch.cat([it.model_pixels(device) for it in items]),
+               "video_grid_thw": torch.tensor(grids, device=device),
+               "mm_token_type_ids": (((input_ids == image_token_id) & live).long()
+                                     + 2 * ((input_ids == self.video_token_id) & live).long()).to(device)}
+        if self.tokens_per_second is not None:
+            out["second_per_grid_ts"] = torch.tensor(steps, device=device)
+        return out
+
     def _timestamps(self, indices: np.ndarray, fps: float) -> list[float]:
         """Qwen3VLProcessor._calculate_timestamps: the mean time of each temporal patch's first and last frame."""
         t = self.processor.temporal_patch_size

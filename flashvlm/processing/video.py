@@ -1,12 +1,14 @@
 """Load request videos into uint8 RGB frames: a file path (or ``file://``), raw bytes, a ``data:video/...;base64`` URI
 (decoded with PyAV, the optional ``video`` extra), or a list of frames already sampled (PIL images or arrays).
 
-PyAV: one wheel with its own FFmpeg, no torch build to match (torchcodec's wheels must match the installed torch,
-and it was not measured here); it decodes a 30-frame 64x64 clip in 4-70 ms on a busy 2-core host
-(tests/e2e/test_video.py prints it). A file is read twice: its packets are counted, the sampler picks frame indices
-from that count and the stream's rate, and only the picked frames are kept while decoding, so memory follows the
-sampled frames, not the file's. Every failure raises ``InvalidRequestError``, so the server answers 400 and other
-requests carry on."""
+PyAV: one wheel with its own FFmpeg, no torch build to match; it decodes a 30-frame 64x64 clip in 4-70 ms on a busy
+2-core host (tests/e2e/test_video.py prints it). torchcodec could not be measured against it: its PyPI wheel
+(0.17, with CPU torch 2.13) installs but fails to import, as it links CUDA's libnvrtc.so.13 and loads the system's
+FFmpeg shared libraries (libavcodec 4-9), which a plain Python host lacks; PyAV needs neither, so it stays.
+
+A file is read twice: its packets are counted, the sampler picks frame indices from that count and the stream's
+rate, and only the picked frames are kept while decoding, so memory follows the sampled frames, not the file's.
+Every failure raises ``InvalidRequestError``, so the server answers 400 and other requests carry on."""
 
 from __future__ import annotations
 

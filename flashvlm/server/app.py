@@ -136,9 +136,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: Any = None
 
 
 def _max_body_bytes(settings: ServerSettings) -> int:
-    # Every allowed image as base64 (4/3 of its bytes) plus room for the text of a long conversation.
+    # Every allowed image, or one largest video, as base64 (4/3 of its bytes) plus room for the text of a long
+    # conversation.
     m = settings.media
-    return max(1, m.limit_images) * m.max_image_bytes * 4 // 3 + 16 * 1024 * 1024
+    return max(max(1, m.limit_images) * m.max_image_bytes, m.max_video_bytes) * 4 // 3 + 16 * 1024 * 1024
 
 
 def _install_error_handlers(app: FastAPI) -> None:

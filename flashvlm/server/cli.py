@@ -67,7 +67,7 @@ def build_parser(sub: argparse._SubParsersAction) -> None:
     c = p.add_argument_group("connections and shutdown")
     for flag, kind, default, metavar, text in _CONNECTION_FLAGS:
         c.add_argument(flag, type=kind, default=default, metavar=metavar, help=f"{text} (default: %(default)s)")
-    m = p.add_argument_group("images")
+    m = p.add_argument_group("images and videos")
     m.add_argument("--limit-mm-per-prompt", default=f"image={limits.DEFAULT_LIMIT_IMAGES}", metavar="SPEC",
                    help="most images per prompt: image=4 or '{\"image\": 4}' (default: %(default)s)")
     m.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
@@ -78,6 +78,9 @@ def build_parser(sub: argparse._SubParsersAction) -> None:
                    help="largest encoded image accepted, in bytes (default: %(default)s)")
     m.add_argument("--max-image-pixels", type=int, default=limits.DEFAULT_MAX_IMAGE_PIXELS,
                    help="largest image accepted, in width x height pixels, read from the header "
+                        "(default: %(default)s)")
+    m.add_argument("--max-video-bytes", type=int, default=limits.DEFAULT_MAX_VIDEO_BYTES,
+                   help="largest encoded video accepted (a video_url data URI or local file), in bytes "
                         "(default: %(default)s)")
     m.add_argument("--remote-image-timeout", type=float, default=10.0,
                    help="seconds to fetch one remote image (default: %(default)s)")
@@ -161,7 +164,8 @@ def build_serving(args: argparse.Namespace) -> tuple[Any, Any, Any]:
                                allow_remote_images=args.allow_remote_images,
                                remote_timeout_s=args.remote_image_timeout,
                                max_request_pixels=args.max_request_image_pixels,
-                               max_request_decode_s=args.max_request_decode_seconds)
+                               max_request_decode_s=args.max_request_decode_seconds,
+                               max_video_bytes=args.max_video_bytes)
     check_pool_sizes(args.image_decode_threads, args.image_decodes_per_request)  # before the model loads
     if policy.allowed_local_media_path is not None and not policy.allowed_local_media_path.is_dir():
         raise ValueError(f"--allowed-local-media-path {args.allowed_local_media_path!r} is not a directory")

@@ -1,7 +1,8 @@
-"""Where request images may come from, and how big they may be.
+"""Where request images and videos may come from, and how big they may be.
 
 Policy (all limits are server flags):
-- `data:image/...;base64,...` URIs are always accepted, up to `max_image_bytes` decoded bytes;
+- `data:image/...;base64,...` URIs are always accepted, up to `max_image_bytes` decoded bytes (videos:
+  `data:video/...`, up to `max_video_bytes`, the limit of a local video file too);
 - local files (a path or a `file://` URL) only under `--allowed-local-media-path` (resolved, so `..` and
   symlinks cannot leave it); without that flag every path is refused (403);
 - `http(s)://` URLs only with `--allow-remote-images`, fetched with a timeout and a byte cap;
@@ -35,10 +36,12 @@ from flashvlm.server.limits import (
     DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_MAX_REQUEST_DECODE_S,
     DEFAULT_MAX_REQUEST_PIXELS,
+    DEFAULT_MAX_VIDEO_BYTES,
 )
 from flashvlm.server.protocol import APIError, bad_request
 
 _SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_EXAMPLE_MIME = {"image": "image/png", "video": "video/mp4"}
 
 
 @dataclass
@@ -51,12 +54,15 @@ class MediaPolicy:
     remote_timeout_s: float = 10.0
     max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS
     max_request_decode_s: float = DEFAULT_MAX_REQUEST_DECODE_S
+    max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES
 
     def __post_init__(self) -> None:
         if self.allowed_local_media_path is not None:
             self.allowed_local_media_path = Path(self.allowed_local_media_path).resolve()
         if self.max_request_pixels < 1:
             raise ValueError(f"--max-request-image-pixels must be >= 1, got {self.max_request_pixels}")
+        if self.max_video_bytes < 1:
+            raise ValueError(f"--max-video-bytes must be >= 1, got {self.max_video_bytes}")
         if self.max_request_decode_s <= 0:
             raise ValueError(f"--max-request-decode-seconds must be positive, got {self.max_request_decode_s}")
 
@@ -114,15 +120,21 @@ def video_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def set_video_source(part: dict[str, Any], policy: MediaPolicy, index: int) -> None:
-    """Rewrite a video_url part in place into a `video` part: a data URI as it is (the engine decodes it), a local
-    file's bytes if it lies under the allowed media path; remote videos are not fetched."""
+    """Rewrite a video_url part in place into a `video` part holding its bytes: a data URI's or a local file's under
+    the allowed media path, within `max_video_bytes`; remote videos are not fetched. Blocking: off the event loop."""
     url = part["video_url"]["url"] if isinstance(part["video_url"], dict) else part["video_url"]
+    if not isinstance(url, str):
+        raise bad_request(f"video {index}: video_url.url must be a string", "messages", "invalid_video_url")
     if is_remote(url):
         raise bad_request(f"video {index}: remote video URLs are not fetched; send a data URI", "messages",
                           "invalid_video_url")
-    source = url if url.startswith("data:") else _read_local(url, policy, index)
+    if _SCHEME_RE.match(url) and not url.startswith("file://"):
+        raise bad_request(f"video {index}: unsupported URL scheme in {url[:40]!r}; send a data URI", "messages",
+                          "invalid_video_url")
+    data = _decode_data_uri(url, policy, index, "video") if url.startswith("data:") else _read_local(
+        url, policy, index, "video")
     part.clear()
-    part.update({"type": "video", "video": source})
+    part.update({"type": "video", "video": data})
 
 
 def check_image_count(num_images: int, policy: MediaPolicy) -> None:
@@ -209,9 +221,13 @@ def check_pixels(data: bytes, policy: MediaPolicy, index: int) -> None:
         raise _too_many_pixels(index, (width, height), policy.max_image_pixels)
 
 
-def _too_big(index: int, size: int, limit: int) -> APIError:
-    return bad_request(f"image {index} is {size} bytes; the limit is {limit} bytes (--max-image-bytes)", "messages",
-                       "image_too_large")
+def _too_big(index: int, size: int, limit: int, kind: str = "image") -> APIError:
+    return bad_request(f"{kind} {index} is {size} bytes; the limit is {limit} bytes (--max-{kind}-bytes)",
+                       "messages", f"{kind}_too_large")
+
+
+def _byte_limit(policy: MediaPolicy, kind: str) -> int:
+    return policy.max_video_bytes if kind == "video" else policy.max_image_bytes
 
 
 def _too_many_pixels(index: int, size: tuple[int, int] | None, limit: int) -> APIError:
@@ -220,60 +236,61 @@ def _too_many_pixels(index: int, size: tuple[int, int] | None, limit: int) -> AP
                        "image_too_large")
 
 
-def _decode_data_uri(url: str, policy: MediaPolicy, index: int) -> bytes:
+def _decode_data_uri(url: str, policy: MediaPolicy, index: int, kind: str = "image") -> bytes:
+    limit = _byte_limit(policy, kind)
     header, sep, payload = url.partition(",")
     media = header[len("data:"):].split(";")
     if not sep or "base64" not in media[1:]:
-        raise bad_request(f"image {index}: a data URI must look like data:image/png;base64,<data>", "messages",
-                          "invalid_image_url")
-    if media[0] and not media[0].startswith("image/"):
-        raise bad_request(f"image {index}: data URI media type must be image/*, got {media[0][:40]!r}", "messages",
-                          "invalid_image_url")
+        raise bad_request(f"{kind} {index}: a data URI must look like data:{_EXAMPLE_MIME[kind]};base64,<data>",
+                          "messages", f"invalid_{kind}_url")
+    if media[0] and not media[0].startswith(f"{kind}/"):
+        raise bad_request(f"{kind} {index}: data URI media type must be {kind}/*, got {media[0][:40]!r}", "messages",
+                          f"invalid_{kind}_url")
     payload = "".join(payload.split())  # clients wrap long base64 lines
     # Checked before decoding, so an oversized upload costs no decode: 4 base64 chars carry 3 bytes.
     approx = len(payload) * 3 // 4 - payload[-2:].count("=")
-    if approx > policy.max_image_bytes:
-        raise _too_big(index, approx, policy.max_image_bytes)
+    if approx > limit:
+        raise _too_big(index, approx, limit, kind)
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         try:  # the URL-safe alphabet some clients use
             data = base64.b64decode(payload, altchars=b"-_", validate=True)
         except (binascii.Error, ValueError) as e:
-            raise bad_request(f"image {index}: invalid base64 in the data URI: {e}", "messages",
+            raise bad_request(f"{kind} {index}: invalid base64 in the data URI: {e}", "messages",
                               "invalid_base64") from None
     if not data:
-        raise bad_request(f"image {index}: the data URI holds no data", "messages", "invalid_image_url")
+        raise bad_request(f"{kind} {index}: the data URI holds no data", "messages", f"invalid_{kind}_url")
     return data
 
 
-def _read_local(url: str, policy: MediaPolicy, index: int) -> bytes:
+def _read_local(url: str, policy: MediaPolicy, index: int, kind: str = "image") -> bytes:
     root = policy.allowed_local_media_path
     if root is None:
-        raise APIError(403, f"image {index}: local file paths are not allowed on this server; send a data URI "
+        raise APIError(403, f"{kind} {index}: local file paths are not allowed on this server; send a data URI "
                        "(or start the server with --allowed-local-media-path DIR)", "permission_error", "messages",
                        "local_media_not_allowed")
     raw = unquote(urlparse(url).path) if url.startswith("file://") else url
     if not raw or "\x00" in raw:
-        raise bad_request(f"image {index}: empty or invalid file path", "messages", "invalid_image_url")
+        raise bad_request(f"{kind} {index}: empty or invalid file path", "messages", f"invalid_{kind}_url")
     path = Path(raw)
     try:
         # resolve() follows symlinks and '..', so the containment test sees where the bytes really are.
         resolved = (path if path.is_absolute() else root / path).resolve()
     except (OSError, RuntimeError) as e:
-        raise bad_request(f"image {index}: invalid file path: {e}", "messages", "invalid_image_url") from None
+        raise bad_request(f"{kind} {index}: invalid file path: {e}", "messages", f"invalid_{kind}_url") from None
     if not resolved.is_relative_to(root):
-        raise APIError(403, f"image {index}: {raw[:200]!r} is outside the allowed media directory", "permission_error",
+        raise APIError(403, f"{kind} {index}: {raw[:200]!r} is outside the allowed media directory", "permission_error",
                        "messages", "local_media_not_allowed")
     try:
         size = resolved.stat().st_size
         if not resolved.is_file():
-            raise bad_request(f"image {index}: {raw[:200]!r} is not a file", "messages", "invalid_image_url")
-        if size > policy.max_image_bytes:
-            raise _too_big(index, size, policy.max_image_bytes)
+            raise bad_request(f"{kind} {index}: {raw[:200]!r} is not a file", "messages", f"invalid_{kind}_url")
+        if size > _byte_limit(policy, kind):
+            raise _too_big(index, size, _byte_limit(policy, kind), kind)
         return resolved.read_bytes()
     except FileNotFoundError:
-        raise bad_request(f"image {index}: file not found: {raw[:200]!r}", "messages", "invalid_image_url") from None
+        raise bad_request(f"{kind} {index}: file not found: {raw[:200]!r}", "messages", f"invalid_{kind}_url") from None
     except OSError as e:
-        raise bad_request(f"image {index}: cannot read {raw[:200]!r}: {e.strerror or e}", "messages",
-                          "invalid_image_url") from None
+        raise bad_request(f"{kind} {index}: cannot read {raw[:200]!r}: {e.strerror or e}", "messages",
+                          f"invalid_{kind}_url") from None

@@ -34,6 +34,8 @@ MODEL = "tiny-vlm"
 MAX_MODEL_LEN = 256
 LIMIT_IMAGES = 2
 MAX_IMAGE_BYTES = 64 * 1024
+MAX_VIDEO_BYTES = 64 * 1024
+"""Below LIMIT_IMAGES images' bytes, so the body limit stays the images' (tests/server/test_read_limits.py)."""
 MAX_IMAGE_PIXELS = 512 * 512
 
 
@@ -120,7 +122,8 @@ def start_server(llm: LLM, media_dir: Path, *, max_waiting_requests: int = 256, 
                          image_decodes_per_request=image_decodes_per_request)
     metrics = EngineMetrics(MODEL, tiers=tiers.names, max_model_len=engine.max_model_len) if with_metrics else None
     policy = MediaPolicy(**{"max_image_bytes": MAX_IMAGE_BYTES, "max_image_pixels": MAX_IMAGE_PIXELS,
-                            "limit_images": LIMIT_IMAGES, "allowed_local_media_path": media_dir, **(media_kw or {})})
+                            "limit_images": LIMIT_IMAGES, "allowed_local_media_path": media_dir,
+                            "max_video_bytes": MAX_VIDEO_BYTES, **(media_kw or {})})
     settings = ServerSettings(served_model_names=[MODEL], media=policy, tiers=tiers, disable_log_requests=True,
                               **settings_kw)
     app = build_app(engine, settings, metrics, tracer)

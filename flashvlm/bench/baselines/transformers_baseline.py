@@ -80,11 +80,20 @@ class TransformersBaseline:
             ids[i, longest - n:] = torch.tensor(p.prompt_token_ids)
             mask[i, longest - n:] = 1
         inputs: dict[str, Any] = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
-        items = [it for p in prompts for it in p.mm_items]
-        if items:
-            image_inputs = self.family.baseline_image_inputs(items, ids, mask, self.image_token_id, self.device)
-            inputs.update({k: v.to(self.device, self.dtype) if v.is_floating_point() else v
-                           for k, v in image_inputs.items()})
+        video = self.processor.video_inputs
+        images, frames = [], []
+        for p in prompts:  # a video's frame items start with its video token
+            for it in p.mm_items:
+                is_frame = video is not None and p.prompt_token_ids[it.offset] == video.video_token_id
+                (frames if is_frame else images).append(it)
+        mm_inputs = {}
+        if images:
+            mm_inputs = self.family.baseline_image_inputs(images, ids, mask, self.image_token_id, self.device)
+        if frames:
+            mm_inputs.update(video.baseline_inputs(frames, ids, mask, self.image_token_id, self.device))
+        # Pixels in the model's dtype; Qwen2.5-VL's time steps stay float32, as positions are computed from them.
+        inputs.update({k: v.to(self.device, self.dtype) if v.is_floating_point() and k != "second_per_grid_ts"
+                       else v for k, v in mm_inputs.items()})
         return inputs
 
     def _generate(self, inputs: dict[str, Any], max_tokens: int) -> _TokenClock:

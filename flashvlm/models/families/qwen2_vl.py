@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 class QwenVLFamily(ModelFamily):
     image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+    video_placeholder = "<|vision_start|><|video_pad|><|vision_end|>"
 
     def __init__(self, architecture: str, model_type: str, qwen25: bool) -> None:
         self.architecture, self.model_type, self.qwen25 = architecture, model_type, qwen25
