@@ -25,12 +25,14 @@ from flashvlm.server.admission import QueueFullError
 from flashvlm.server.body import BodyBudget, BodyReader, BodyRefused, replaying
 from flashvlm.server.protocol import (
     APIError,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
     ErrorResponse,
+)
+from flashvlm.server.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
     ModelList,
 )
 from flashvlm.server.serving import OpenAIServing, ServerSettings

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from flashvlm.server.protocol import AssistantMessage
+from flashvlm.server.responses import AssistantMessage
 from flashvlm.server.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 from flashvlm.server.tool_protocol import ToolMode
 

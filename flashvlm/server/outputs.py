@@ -8,7 +8,7 @@ from typing import Any
 
 from flashvlm.engine.scheduler import KV_CAPACITY_STOP_REASON
 from flashvlm.request import CompletionOutput, RequestOutput
-from flashvlm.server.protocol import UsageInfo, usage
+from flashvlm.server.responses import UsageInfo, usage
 
 
 def sse_event(payload: dict[str, Any]) -> str:

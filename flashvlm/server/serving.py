@@ -29,14 +29,16 @@ from flashvlm.server.logprobs import LogprobsFormatter
 from flashvlm.server.outputs import finish_reason, response_usage, sse_event
 from flashvlm.server.protocol import (
     APIError,
-    ChatChoice,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionChoice,
     CompletionRequest,
-    CompletionResponse,
     bad_request,
     to_sampling_params,
+)
+from flashvlm.server.responses import (
+    ChatChoice,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionResponse,
 )
 from flashvlm.server.sse import SSEResponse
 from flashvlm.server.tool_protocol import ToolMode
@@ -375,7 +377,7 @@ class OpenAIServing:
                 logger.info("request %s ended early: %s", st.base_id, type(error).__name__ if error else "disconnect")
 
     def models(self) -> dict[str, Any]:
-        from flashvlm.server.protocol import ModelCard, ModelList
+        from flashvlm.server.responses import ModelCard, ModelList
 
         root = self.settings.model_path or (str(Path(self.settings.served_model_names[0])))
         cards = [ModelCard(id=name, created=_START_TIME, root=root, max_model_len=self.engine.max_model_len)
