@@ -289,8 +289,8 @@ class EngineConfig:
 
         q = self.model.quantization
         if q is not None and q not in SHARDED_METHODS:
-            raise ConfigError(f"quantization {q!r} with tensor_parallel_size {n}: its layers (packed weights, group "
-                              f"scales) are not sharded yet; {', '.join(SHARDED_METHODS)} are")
+            raise ConfigError(f"quantization {q!r} with tensor_parallel_size {n}: its layers are not sharded yet; "
+                              f"{', '.join(SHARDED_METHODS)} are")
         if self.device.startswith("cuda"):
             import torch
 

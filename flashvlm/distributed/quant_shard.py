@@ -9,9 +9,15 @@ ranks' scaled partial products is in another order.
 The methods' own per-row rules are reused by padding: the weight gets PAD more columns, the first holding each row's
 whole-row amax (so the rule picks the whole row's scale) and zeroed once rounded; each token gets PAD more inputs,
 the first its whole-row amax. The zero weight columns make the extra inputs add nothing. PAD keeps K a multiple of
-16, which the GPU's int8 and fp8 GEMMs take."""
+16, which the GPU's int8 and fp8 GEMMs take.
+
+int4 (W4A16) scales groups of inputs of each row and leaves activations in the model dtype: a row-parallel slice of
+whole groups rounds exactly as those groups of the whole row, so it needs no padding; a slice that is not a multiple
+of the group size is refused."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,9 +31,12 @@ from flashvlm.quant.base import QuantizedLinear, QuantMethod, frozen
 from flashvlm.quant.plan import QuantPlan
 from flashvlm.quant.registry import get_method
 
-SHARDED_METHODS = ("int8", "fp8")
-"""Methods whose quantize-at-load runs sharded: a weight scale per output channel, the weight laid out (N, K), a
-scale per token for the activations."""
+PADDED_METHODS = ("int8", "fp8")
+"""A weight scale per output channel, the weight laid out (N, K), a scale per token for the activations."""
+GROUPED_METHODS = ("int4",)
+"""Weight scales per group of inputs (`scheme.group_size`), activations unrounded."""
+SHARDED_METHODS = PADDED_METHODS + GROUPED_METHODS
+"""Methods whose quantize-at-load runs with tensor parallelism."""
 PAD = 16
 
 
@@ -35,21 +44,23 @@ class QuantizedRowParallel(nn.Module):
     """A row-parallel layer whose slice of the weight is quantized: the partial products summed over ranks, then
     the bias once."""
 
-    def __init__(self, inner: QuantizedLinear, group: TPGroup, bias: torch.Tensor | None) -> None:
+    def __init__(self, inner: QuantizedLinear, group: TPGroup, bias: torch.Tensor | None, pad: int) -> None:
         super().__init__()
-        self.inner, self.group = inner, group
-        self.in_features, self.out_features = inner.in_features - PAD, inner.out_features
+        self.inner, self.group, self.pad = inner, group, pad
+        """pad: 0, or PAD (each token gets its whole-row amax as the first of PAD more inputs)."""
+        self.in_features, self.out_features = inner.in_features - pad, inner.out_features
         self.bias = None if bias is None else frozen(bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        amax = self.group.all_max(x.abs().amax(dim=-1, keepdim=True))
-        padded = torch.cat([x, amax, x.new_zeros(*x.shape[:-1], PAD - 1)], dim=-1)
-        out = self.group.all_reduce(self.inner(padded))
+        if self.pad:
+            amax = self.group.all_max(x.abs().amax(dim=-1, keepdim=True))
+            x = torch.cat([x, amax, x.new_zeros(*x.shape[:-1], self.pad - 1)], dim=-1)
+        out = self.group.all_reduce(self.inner(x))
         return out if self.bias is None else out + self.bias
 
 
 @torch.no_grad()
-def _quantize_row_slice(layer: nn.Module, method: QuantMethod, scheme: object, group: TPGroup) -> QuantizedRowParallel:
+def _quantize_row_slice(layer: nn.Module, method: QuantMethod, scheme: Any, group: TPGroup) -> QuantizedRowParallel:
     weight = layer.weight.detach()
     n, k = weight.shape
     row_amax = group.all_max(weight.abs().amax(dim=1, keepdim=True))
@@ -59,9 +70,27 @@ def _quantize_row_slice(layer: nn.Module, method: QuantMethod, scheme: object, g
     if not isinstance(inner, QuantizedLinear) or tuple(inner.weight.shape) != (n, k + PAD):
         raise ConfigError(f"{method.name} layers cannot be split by input columns under tensor parallelism")
     inner.weight.data[:, k:] = 0
+    return _wrap(inner, layer, group, PAD)
+
+
+@torch.no_grad()
+def _quantize_whole_groups(layer: nn.Module, method: QuantMethod, scheme: Any, group: TPGroup,
+                           name: str) -> QuantizedRowParallel:
+    weight = layer.weight.detach()
+    n, k = weight.shape
+    size = getattr(scheme, "group_size", None)
+    if size is None or k % size:
+        raise ConfigError(f"--quantization {method.name} with tensor_parallel_size {group.size}: {name} holds {k} "
+                          f"inputs per rank, not a whole number of its groups of {size or 'a whole row'}")
+    local = PlainLinear(k, n, bias=False).to(device=weight.device, dtype=weight.dtype)
+    local.weight.copy_(weight)
+    return _wrap(method.quantize(local, scheme), layer, group, 0)
+
+
+def _wrap(inner: QuantizedLinear, layer: nn.Module, group: TPGroup, pad: int) -> QuantizedRowParallel:
     inner.use_triton_kernels = getattr(layer, "use_triton_kernels", True)
     inner.gemv_max_rows = getattr(layer, "gemv_max_rows", inner.gemv_max_rows)
-    return QuantizedRowParallel(inner, group, layer.bias)
+    return QuantizedRowParallel(inner, group, layer.bias, pad)
 
 
 def quantize_sharded(model: nn.Module, plan: QuantPlan, group: TPGroup) -> None:
@@ -70,7 +99,9 @@ def quantize_sharded(model: nn.Module, plan: QuantPlan, group: TPGroup) -> None:
     method = get_method(plan.method)
     for name in float_targets(model, plan.quantize_vision):
         layer = model.get_submodule(name)
-        if isinstance(layer, (RowParallelLinear, PlainRowParallelLinear)):
+        if isinstance(layer, (RowParallelLinear, PlainRowParallelLinear)) and plan.method in GROUPED_METHODS:
+            replace_module(model, name, _quantize_whole_groups(layer, method, plan.scheme, group, name))
+        elif isinstance(layer, (RowParallelLinear, PlainRowParallelLinear)):
             replace_module(model, name, _quantize_row_slice(layer, method, plan.scheme, group))
         else:
             replace_module(model, name, method.quantize(layer, plan.scheme))

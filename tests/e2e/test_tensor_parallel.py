@@ -205,6 +205,23 @@ def test_quantize_at_load_matches_one_rank(tmp_path, method):
             == single, mode
 
 
+def test_int4_by_whole_groups_matches_one_rank(tmp_path):
+    # 256 wide: each rank's o_proj and down_proj inputs (128 and 256) are whole groups of 128.
+    path = build_qwen2_vl(tmp_path / "qwen2_vl", hidden=256)
+    prompts = _prompts(QWEN, 2)
+    single = _tokens(path, 1, prompts, quantization="int4")
+    assert single != _tokens(path, 1, prompts)
+    for mode in ("data", "weights"):
+        assert _tokens(path, 2, prompts, quantization="int4", mm_encoder_tp_mode=mode) == single, mode
+
+
+def test_int4_slices_of_partial_groups_are_refused(tmp_path):
+    path = build_qwen2_vl(tmp_path / "qwen2_vl")  # 64 wide: o_proj takes 32 inputs per rank
+    with pytest.raises(ConfigError, match="self_attn.o_proj holds 32 inputs per rank, not a whole number of its "
+                                          "groups of 128"):
+        _tokens(path, 2, ["hello"], quantization="int4")
+
+
 def test_a_prequantized_checkpoint_is_refused(tmp_path):
     quantized = write_compressed_tensors_fp8(build_qwen2_vl(tmp_path / "qwen2_vl"), tmp_path / "ct")
     with pytest.raises(ConfigError, match="pre-quantized checkpoints are not sharded"):
@@ -244,13 +261,11 @@ class _MaxOf(TPGroup):
         return torch.maximum(x, self.other.abs().amax(dim=1, keepdim=True), out=x)
 
 
-def test_unsharded_quantization_is_refused_and_both_encoder_modes_validate():
+def test_quantization_and_both_encoder_modes_validate():
     for mode in ("data", "weights"):
         EngineConfig.from_options(None, device="cpu", tensor_parallel_size=2, mm_encoder_tp_mode=mode).validate()
-    for method in ("int8", "fp8"):
+    for method in ("int8", "fp8", "int4"):
         EngineConfig.from_options(None, device="cpu", tensor_parallel_size=2, quantization=method).validate()
-    with pytest.raises(ConfigError, match="'int4' with tensor_parallel_size 2: its layers .* not sharded"):
-        EngineConfig.from_options(None, device="cpu", tensor_parallel_size=2, quantization="int4").validate()
     with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1"):
         EngineConfig.from_options(None, device="cpu", tensor_parallel_size=0).validate()
     EngineConfig.from_options(None, device="cpu", tensor_parallel_size=1, mm_encoder_tp_mode="weights").validate()
