@@ -285,9 +285,12 @@ class EngineConfig:
         n = self.tensor_parallel_size
         if n == 1:
             return
-        if self.model.quantization is not None:
-            raise ConfigError(f"quantization {self.model.quantization!r} with tensor_parallel_size {n}: quantized "
-                              "layers are not sharded yet")
+        from flashvlm.distributed.quant_shard import SHARDED_METHODS
+
+        q = self.model.quantization
+        if q is not None and q not in SHARDED_METHODS:
+            raise ConfigError(f"quantization {q!r} with tensor_parallel_size {n}: its layers are not sharded yet; "
+                              f"{', '.join(SHARDED_METHODS)} are")
         if self.device.startswith("cuda"):
             import torch
 

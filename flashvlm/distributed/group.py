@@ -48,6 +48,14 @@ class TPGroup:
             dist.all_reduce(x, group=self.device_group)
         return x
 
+    def all_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum over ranks, in place."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.device_group)
+        return x
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's `x` (same shape on all), concatenated along `dim` in rank order."""
         if self.size == 1:

@@ -15,6 +15,7 @@ from flashvlm.cache.block_manager import BlockManager
 from flashvlm.cache.encoder_cache import EncoderCacheManager
 from flashvlm.config import ConfigError, EngineConfig
 from flashvlm.distributed.encoder import split_encoder
+from flashvlm.distributed.quant_shard import quantize_sharded
 from flashvlm.distributed.shard import shard_model
 from flashvlm.distributed.sharded_load import loads_sharded
 from flashvlm.distributed.workers import TensorParallel
@@ -72,12 +73,15 @@ class Engine:
         max_len = resolve_max_model_len(mc.max_model_len, self.checkpoint.max_position_embeddings)
         self.dtype = resolve_dtype(mc, self.checkpoint.hf_config, config.device)
         quant_plan = resolve_plan(mc.quantization, self.checkpoint.hf_config, mc.quantize_vision)
-        if quant_plan is not None and config.tensor_parallel_size > 1:
-            raise ConfigError(f"the checkpoint is quantized ({quant_plan.method}); quantized layers are not sharded "
-                              "by tensor parallelism yet")
+        if quant_plan is not None and quant_plan.prequantized and config.tensor_parallel_size > 1:
+            raise ConfigError(f"the checkpoint is quantized ({quant_plan.method}); the layers of pre-quantized "
+                              "checkpoints are not sharded by tensor parallelism yet (--quantization on a float "
+                              "checkpoint is)")
         self.model = load_model(mc, self.checkpoint, config.device, self.dtype, quant_plan, self.tp.group)
         shard_model(self.model, self.tp.group, loads_sharded(self.checkpoint.hf_config, self.tp.group))
         split_encoder(self.model, self.tp.group, config.mm_encoder_tp_mode, self.dtype, torch.device(config.device))
+        if quant_plan is not None and self.tp.group.size > 1:
+            quantize_sharded(self.model, quant_plan, self.tp.group)
         set_kernel_backend(self.model, config.kernel_backend)
         attention_backend, vision_attention = config.attention_for_dtype(self.dtype)
         if (attention_backend, vision_attention) != (config.attention_backend, config.vision_attention):

@@ -150,15 +150,17 @@ def load_model(model_config: ModelConfig, checkpoint: Checkpoint, device: str, d
     quantized layers swapped in before loading; float weights (a float checkpoint, or random weights for a
     benchmark of any plan) are rounded after. With a tensor-parallel group whose decoder loads per rank
     (distributed/sharded_load.py), the model is built with this rank's widths and reads only its slices (random
-    weights are then drawn per slice); the caller's pass (distributed/shard.py) finishes the split."""
+    weights are then drawn per slice); the caller's pass (distributed/shard.py) finishes the split, and with more
+    than one rank the caller also rounds float weights, after the split (distributed/quant_shard.py)."""
     cls = checkpoint.family.model_class()
     local = tp_group is not None and loads_sharded(checkpoint.hf_config, tp_group)
+    round_here = quant_plan is not None and (tp_group is None or tp_group.size == 1)
     hf_config = local_config(checkpoint.hf_config, tp_group) if local else checkpoint.hf_config
     with torch.device(device), _default_dtype(dtype):
         model = cls(hf_config)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
-        if quant_plan is not None:
+        if round_here:
             quantize_model(model, quant_plan)
         return model.eval()
     prequantized = quant_plan is not None and quant_plan.prequantized
@@ -171,6 +173,6 @@ def load_model(model_config: ModelConfig, checkpoint: Checkpoint, device: str, d
     check_all_loaded(model, filled)
     if prequantized:
         finish_loading(model)
-    elif quant_plan is not None:
+    elif round_here:
         quantize_model(model, quant_plan)
     return model.eval()

@@ -34,7 +34,7 @@ def float_targets(model: nn.Module, quantize_vision: bool) -> list[str]:
     return names
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
@@ -43,7 +43,7 @@ def quantize_model(model: nn.Module, plan: QuantPlan) -> None:
     """Round the float weights of every target layer (the model's weights are already loaded)."""
     method = get_method(plan.method)
     for name in float_targets(model, plan.quantize_vision):
-        _replace(model, name, method.quantize(model.get_submodule(name), plan.scheme))
+        replace_module(model, name, method.quantize(model.get_submodule(name), plan.scheme))
 
 
 def prepare_for_checkpoint(model: nn.Module, plan: QuantPlan, checkpoint_names: Iterable[str]) -> list[str]:
@@ -66,7 +66,7 @@ def prepare_for_checkpoint(model: nn.Module, plan: QuantPlan, checkpoint_names: 
         layer = model.get_submodule(name)
         if not isinstance(layer, _FLOAT_LINEARS):
             raise QuantFormatError(f"{name} is stored quantized but is a {type(layer).__name__}, not a linear layer")
-        _replace(model, name, method.empty_layer(layer, plan.scheme))
+        replace_module(model, name, method.empty_layer(layer, plan.scheme))
     return sorted(modules)
 
 

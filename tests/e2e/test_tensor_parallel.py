@@ -9,13 +9,16 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from flashvlm import LLM, SamplingParams
 from flashvlm.config import ConfigError, EngineConfig
 from flashvlm.distributed.encoder import shares
 from flashvlm.distributed.group import TensorParallelError, TPGroup
+from flashvlm.distributed.layers import RowParallelLinear
 from flashvlm.distributed.shard import head_split
 from flashvlm.request import MMItem
+from flashvlm.testing.quantized_fp8 import write_compressed_tensors_fp8
 from flashvlm.testing.tiny_checkpoints import build_fuyu, build_llava, build_llava_next, build_qwen2_vl, build_qwen3_vl
 
 QWEN = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -192,11 +195,77 @@ def test_idle_workers_outlive_the_collective_timeout(tmp_path):
         assert llm.generate("hello", GREEDY)[0].outputs[0].token_ids == first
 
 
-def test_quantization_is_refused_and_both_encoder_modes_validate():
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantize_at_load_matches_one_rank(tmp_path, method):
+    path = build_qwen2_vl(tmp_path / "qwen2_vl")
+    prompts = _prompts(QWEN, 2)
+    single = _tokens(path, 1, prompts, quantization=method, quantize_vision=True)
+    for mode in ("data", "weights"):
+        assert _tokens(path, 2, prompts, quantization=method, quantize_vision=True, mm_encoder_tp_mode=mode) \
+            == single, mode
+
+
+def test_int4_by_whole_groups_matches_one_rank(tmp_path):
+    # 256 wide: each rank's o_proj and down_proj inputs (128 and 256) are whole groups of 128.
+    path = build_qwen2_vl(tmp_path / "qwen2_vl", hidden=256)
+    prompts = _prompts(QWEN, 2)
+    single = _tokens(path, 1, prompts, quantization="int4")
+    assert single != _tokens(path, 1, prompts)
+    for mode in ("data", "weights"):
+        assert _tokens(path, 2, prompts, quantization="int4", mm_encoder_tp_mode=mode) == single, mode
+
+
+def test_int4_slices_of_partial_groups_are_refused(tmp_path):
+    path = build_qwen2_vl(tmp_path / "qwen2_vl")  # 64 wide: o_proj takes 32 inputs per rank
+    with pytest.raises(ConfigError, match="self_attn.o_proj holds 32 inputs per rank, not a whole number of its "
+                                          "groups of 128"):
+        _tokens(path, 2, ["hello"], quantization="int4")
+
+
+def test_a_prequantized_checkpoint_is_refused(tmp_path):
+    quantized = write_compressed_tensors_fp8(build_qwen2_vl(tmp_path / "qwen2_vl"), tmp_path / "ct")
+    with pytest.raises(ConfigError, match="pre-quantized checkpoints are not sharded"):
+        _tokens(quantized, 2, ["hello"])
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_row_parallel_slices_round_as_the_whole_row(method):
+    """Each rank's slice of a row-parallel weight rounds to the slice of the whole layer's rounding, with the
+    whole row's scales (the ranks' row amax is their maximum: one rank holds each row's largest entry here)."""
+    from flashvlm.distributed.quant_shard import _quantize_row_slice
+    from flashvlm.layers.linear import Linear
+    from flashvlm.quant.registry import get_method
+
+    full = Linear(16, 6, bias=True)
+    with torch.no_grad():
+        full.weight.normal_()
+        full.weight[:, 3] = 9.0  # rank 0's columns hold every row's amax: rank 1 must take it from the maximum
+    m = get_method(method)
+    whole = m.quantize(full, m.default_scheme())
+    rank1 = RowParallelLinear(full, TPGroup(), 8, 16)
+    sliced = _quantize_row_slice(rank1, m, m.default_scheme(), _MaxOf(full.weight[:, :8]))
+    assert torch.equal(sliced.inner.weight.float()[:, :8], whole.weight[:, 8:].float())
+    assert not sliced.inner.weight.float()[:, 8:].any()
+    assert torch.equal(sliced.inner.weight_scale.view(-1), whole.weight_scale.view(-1))
+    assert torch.equal(sliced.bias, full.bias)
+
+
+class _MaxOf(TPGroup):
+    """One rank of two whose other rank holds `other` (its columns of the weight): all_max sees both."""
+
+    def __init__(self, other: torch.Tensor) -> None:
+        super().__init__()
+        self.other = other
+
+    def all_max(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(x, self.other.abs().amax(dim=1, keepdim=True), out=x)
+
+
+def test_quantization_and_both_encoder_modes_validate():
     for mode in ("data", "weights"):
         EngineConfig.from_options(None, device="cpu", tensor_parallel_size=2, mm_encoder_tp_mode=mode).validate()
-    with pytest.raises(ConfigError, match="quantized layers are not sharded"):
-        EngineConfig.from_options(None, device="cpu", tensor_parallel_size=2, quantization="int8").validate()
+    for method in ("int8", "fp8", "int4"):
+        EngineConfig.from_options(None, device="cpu", tensor_parallel_size=2, quantization=method).validate()
     with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1"):
         EngineConfig.from_options(None, device="cpu", tensor_parallel_size=0).validate()
     EngineConfig.from_options(None, device="cpu", tensor_parallel_size=1, mm_encoder_tp_mode="weights").validate()
