@@ -127,7 +127,7 @@ def test_quantized_weight_bytes(method: str, expected_gb: float, tmp_path) -> No
     from transformers import AutoConfig
 
     from flashvlm.models.registry import resolve_family
-    from flashvlm.quant.apply import _replace, float_targets
+    from flashvlm.quant.apply import float_targets, replace_module
     from flashvlm.quant.registry import get_method
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN2_VL_7B))
@@ -142,7 +142,7 @@ def test_quantized_weight_bytes(method: str, expected_gb: float, tmp_path) -> No
     float_cost = model_cost(model)
     quant = get_method(method)
     for name in float_targets(model, quantize_vision=False):
-        _replace(model, name, quant.empty_layer(model.get_submodule(name), quant.default_scheme()))
+        replace_module(model, name, quant.empty_layer(model.get_submodule(name), quant.default_scheme()))
     cost = model_cost(model)
     assert cost.lm_matmul_params == float_cost.lm_matmul_params
     assert cost.lm_weight_bytes / 1e9 == pytest.approx(expected_gb, rel=0.03)
