@@ -1,5 +1,5 @@
-"""`--video FRAMESxWIDTHxHEIGHT`: one seeded synthetic video per request of a workload (issue 22's benchmark is
-`16x640x360` on the Qwen families), for the offline scenarios and the transformers baseline.
+"""`--video FRAMESxWIDTHxHEIGHT`: one seeded synthetic video per request of a workload (e.g. `16x640x360` on the
+Qwen families), for the offline scenarios and the transformers baseline.
 
 A video is a list of frames, which the engine takes as already sampled (all kept, at transformers' default 24 fps
 for frames without metadata), so the frame count is exactly the one asked. Each request's frames are windows

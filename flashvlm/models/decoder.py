@@ -58,14 +58,10 @@ class DecoderAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx: int, qkv_bias: bool, qk_norm: bool = False) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DecoderAttention(cfg, layer_idx, qkv_bias, qk_norm)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act,
-                            bias=getattr(cfg, "mlp_bias", False))
+class PreNormLayer(nn.Module):
+    """A pre-norm decoder layer's step, whatever its parts: norm, attention, norm with the residual added, MLP.
+    Subclasses build `input_layernorm`, `self_attn`, `post_attention_layernorm` and `mlp`; the norms take an
+    optional residual and return (normed, new residual)."""
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +72,16 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, cos, sin, ctx)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+
+class DecoderLayer(PreNormLayer):
+    def __init__(self, cfg, layer_idx: int, qkv_bias: bool, qk_norm: bool = False) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DecoderAttention(cfg, layer_idx, qkv_bias, qk_norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act,
+                            bias=getattr(cfg, "mlp_bias", False))
 
 
 class DecoderModel(nn.Module):

@@ -12,6 +12,7 @@ from flashvlm.layers.attention import ForwardContext, PagedAttention
 from flashvlm.layers.linear import Linear, MergedLinear
 from flashvlm.layers.norm import HeadLayerNorm, LayerNorm
 from flashvlm.layers.rotary import RotaryEmbedding, apply_partial_rotary_
+from flashvlm.models.decoder import PreNormLayer
 from flashvlm.models.interfaces import KVCacheSpec
 
 
@@ -76,23 +77,13 @@ class PersimmonMLP(nn.Module):
         return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
 
 
-class PersimmonDecoderLayer(nn.Module):
+class PersimmonDecoderLayer(PreNormLayer):
     def __init__(self, cfg, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps)
         self.self_attn = PersimmonAttention(cfg, layer_idx)
         self.post_attention_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps)
         self.mlp = PersimmonMLP(cfg)
-
-    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, cos, sin, ctx)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
 
 
 class PersimmonModel(nn.Module):

@@ -57,30 +57,27 @@ def normalize_messages(messages: Any) -> tuple[list[dict], list[Any], list[Any]]
 
 
 def _video_source(part: dict, where: str) -> Any:
-    if part.get("type") == "video_url":
-        url = part.get("video_url")
-        url = url.get("url") if isinstance(url, dict) else url
-        if not isinstance(url, str) or not url:
-            raise InvalidRequestError(f"{where}: video_url part needs video_url.url (a data URI or a file path)")
-        return url
-    src = part.get("video")
-    if src is None:
-        raise InvalidRequestError(f"{where}: video part has no 'video'")
-    return src
+    return _part_source(part, where, "video")
 
 
 def _image_source(part: dict, where: str) -> Any:
-    if part.get("type") == "image_url":
-        url = part.get("image_url")
+    src = _part_source(part, where, "image", fallback_key="image_url")
+    if isinstance(src, str) and part.get("type") == "image_url" and src.startswith(("http://", "https://")):
+        raise InvalidRequestError(f"{where}: http(s) image URLs are not fetched; send a data URI")
+    return src
+
+
+def _part_source(part: dict, where: str, kind: str, fallback_key: str | None = None) -> Any:
+    """The source a `{kind}_url` part names (its url: a data URI or a file path) or a `{kind}` part holds."""
+    if part.get("type") == f"{kind}_url":
+        url = part.get(f"{kind}_url")
         url = url.get("url") if isinstance(url, dict) else url
         if not isinstance(url, str) or not url:
-            raise InvalidRequestError(f"{where}: image_url part needs image_url.url (a data URI or a file path)")
-        if url.startswith(("http://", "https://")):
-            raise InvalidRequestError(f"{where}: http(s) image URLs are not fetched; send a data URI")
+            raise InvalidRequestError(f"{where}: {kind}_url part needs {kind}_url.url (a data URI or a file path)")
         return url
-    src = part.get("image", part.get("image_url"))
+    src = part.get(kind, part.get(fallback_key) if fallback_key else None)
     if src is None:
-        raise InvalidRequestError(f"{where}: image part has no 'image'")
+        raise InvalidRequestError(f"{where}: {kind} part has no '{kind}'")
     return src
 
 
