@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from flashvlm.request import InvalidRequestError
+from flashvlm.runner.token_mask import words_per_row
 from flashvlm.structured.params import StructuredOutputsParams
 
 COMPILE_CACHE_BYTES = 256 << 20
@@ -44,6 +45,9 @@ instead compiled up to 400 times slower). Should a later xgrammar write it other
 holds it and the schema compiles as it is (tests/unit/test_structured_engine.py then fails)."""
 JSON_STRING_CHAR = r'[^\"\\\0-\x1f]'
 """One unescaped character of a JSON string (counted strings hold no escapes, as in xgrammar's own)."""
+
+_KIND_NAMES = {"json": "JSON schema", "json_object": "JSON grammar"}
+"""How messages name a constraint kind (the others by their field name)."""
 
 # xgrammar's messages start with "[time] /path/file.cc:line: "; the rest names the problem.
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
@@ -137,6 +141,7 @@ class GrammarEngine:
                 self._compiled.move_to_end(key)
                 return compiled
         compiled = self._compile(spec)
+        self._refuse_without_a_first_token(spec, compiled)
         with self._lock:
             self._compiled[key] = compiled
             while len(self._compiled) > COMPILED_CACHE_ENTRIES:
@@ -158,8 +163,19 @@ class GrammarEngine:
             return compiler.compile_grammar(spec.grammar)
         except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses with its parser's message
             message = _CPP_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-            name = {"json": "JSON schema", "json_object": "JSON grammar"}.get(kind, kind)
+            name = _KIND_NAMES.get(kind, kind)
             raise InvalidRequestError(f"invalid structured_outputs {name}: {message}") from None
+
+    def _refuse_without_a_first_token(self, spec: StructuredOutputsParams, compiled: Any) -> None:
+        """A constraint no token of this vocabulary can begin (a letters-only regex on a tokenizer whose words
+        all hold digits, say) would give every row an all-masked step: refuse it here, with the request's 400."""
+        import xgrammar as xgr
+
+        bitmask = torch.zeros((1, words_per_row(self.vocab_size)), dtype=torch.int32)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        if not bool(bitmask.any()):
+            raise InvalidRequestError(f"structured_outputs {_KIND_NAMES.get(spec.kind, spec.kind)}: no token of this "
+                                      "model's vocabulary can begin its output")
 
     @staticmethod
     def _compile_schema(compiler: Any, schema: str) -> Any:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 
-import jsonschema
 import numpy as np
 import pytest
 
@@ -19,6 +18,7 @@ from flashvlm.testing.random_schemas import random_schemas
 from flashvlm.testing.tiny_checkpoints import build_qwen2_vl
 
 pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 MAX_TOKENS = 400

@@ -3,6 +3,7 @@ naming the problem and a non-zero exit code: no traceback, no model loaded first
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -16,6 +17,10 @@ from flashvlm.config import ConfigError, EngineConfig, ModelConfig
 _ROOT = Path(__file__).resolve().parents[2]
 _COMMANDS = {"serve": ["serve", "--port", "0"], "generate": ["generate", "hi", "--max-tokens", "1"],
              "bench": ["bench", "latency", "--num-requests", "1"]}
+_SERVE_MISSING = not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn"))
+_COMMAND_CASES = [pytest.param(c, marks=pytest.mark.skipif(c == "serve" and _SERVE_MISSING,
+                                                           reason="`flashvlm serve` needs the [serve] extra"))
+                  for c in sorted(_COMMANDS)]
 
 
 def _missing_gpu() -> tuple[str, str]:
@@ -41,14 +46,14 @@ def _assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str
         assert needle in errors[0], errors[0]
 
 
-@pytest.mark.parametrize("command", sorted(_COMMANDS))
+@pytest.mark.parametrize("command", _COMMAND_CASES)
 def test_missing_cuda_device_is_one_line(command: str) -> None:
     device, needle = _missing_gpu()
     proc = _run_cli([*_COMMANDS[command], "--device", device])
     _assert_one_line_error(proc, f"device={device!r}", needle)
 
 
-@pytest.mark.parametrize("command", sorted(_COMMANDS))
+@pytest.mark.parametrize("command", _COMMAND_CASES)
 def test_triton_attention_on_cpu_without_interpreter_is_refused_at_start(command: str) -> None:
     proc = _run_cli([*_COMMANDS[command], "--device", "cpu", "--attention-backend", "triton"])
     _assert_one_line_error(proc, "attention_backend='triton'", "TRITON_INTERPRET=1")

@@ -67,6 +67,21 @@ def test_compile_errors_name_the_constraint(tokenizer) -> None:
             engine.compile(spec)
 
 
+def test_a_constraint_no_token_can_begin_is_refused_at_compile() -> None:
+    from flashvlm.bench.model_configs import QWEN_SPECIAL_IDS, word_tokenizer
+
+    # The benchmark models' tokenizer: one word w<id> per id, every word holding digits.
+    words = word_tokenizer(152000, QWEN_SPECIAL_IDS, "<|im_end|>", "<|endoftext|>")
+    engine = GrammarEngine(words, 152064, (151645,))
+    with pytest.raises(InvalidRequestError, match="regex: no token of this model's vocabulary can begin"):
+        engine.compile(Constraint(regex="[a-z]+"))
+    matcher = engine.matcher(Constraint(regex="(w7[0-9]*)+"))
+    bitmask = torch.zeros((1, (152064 + 31) // 32), dtype=torch.int32)
+    engine.fill_batch([matcher], bitmask, [0])
+    allowed = torch.nonzero(unpack_bitmask(bitmask, 152064)[0]).view(-1).tolist()
+    assert allowed == [i for i in range(152000) if str(i).startswith("7")]  # w7, w70 .. w79, w700 ...
+
+
 def test_a_constraint_compiles_once_however_often_it_is_asked_for(tokenizer, monkeypatch) -> None:
     import xgrammar as xgr
 
