@@ -74,6 +74,17 @@ class PreNormLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def run_decoder_layers(layers: nn.ModuleList, rotary: nn.Module, final_norm: nn.Module, inputs_embeds: torch.Tensor,
+                       positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    """The pre-norm stack's pass: rotary tables once, each layer carrying the residual, the final norm adding it."""
+    cos, sin = rotary(positions, inputs_embeds.dtype)
+    h, residual = inputs_embeds, None
+    for layer in layers:
+        h, residual = layer(h, residual, cos, sin, ctx)
+    h, _ = final_norm(h, residual)
+    return h
+
+
 class DecoderLayer(PreNormLayer):
     def __init__(self, cfg, layer_idx: int, qkv_bias: bool, qk_norm: bool = False) -> None:
         super().__init__()
@@ -102,9 +113,4 @@ class DecoderModel(nn.Module):
         return KVCacheSpec(self.cfg.num_hidden_layers, self.layers[0].self_attn.num_kv_heads, _head_dim(self.cfg))
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        cos, sin = self.rotary(positions, inputs_embeds.dtype)
-        h, residual = inputs_embeds, None
-        for layer in self.layers:
-            h, residual = layer(h, residual, cos, sin, ctx)
-        h, _ = self.norm(h, residual)
-        return h
+        return run_decoder_layers(self.layers, self.rotary, self.norm, inputs_embeds, positions, ctx)

@@ -12,7 +12,7 @@ from flashvlm.layers.attention import ForwardContext, PagedAttention
 from flashvlm.layers.linear import Linear, MergedLinear
 from flashvlm.layers.norm import HeadLayerNorm, LayerNorm
 from flashvlm.layers.rotary import RotaryEmbedding, apply_partial_rotary_
-from flashvlm.models.decoder import PreNormLayer
+from flashvlm.models.decoder import PreNormLayer, run_decoder_layers
 from flashvlm.models.interfaces import KVCacheSpec
 
 
@@ -106,9 +106,4 @@ class PersimmonModel(nn.Module):
         return KVCacheSpec(self.cfg.num_hidden_layers, self.layers[0].self_attn.num_heads, _head_dim(self.cfg))
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        cos, sin = self.rotary(positions, inputs_embeds.dtype)
-        h, residual = inputs_embeds, None
-        for layer in self.layers:
-            h, residual = layer(h, residual, cos, sin, ctx)
-        h, _ = self.final_layernorm(h, residual)
-        return h
+        return run_decoder_layers(self.layers, self.rotary, self.final_layernorm, inputs_embeds, positions, ctx)
