@@ -10,28 +10,20 @@ from typing import Any
 import torch
 
 from flashvlm.attention.kv_quant import dtype_name
-from flashvlm.attention.vision import set_vision_attention
 from flashvlm.cache.block_manager import BlockManager
 from flashvlm.cache.encoder_cache import EncoderCacheManager
-from flashvlm.config import ConfigError, EngineConfig
-from flashvlm.distributed.encoder import split_encoder
-from flashvlm.distributed.quant_shard import quantize_sharded
-from flashvlm.distributed.shard import shard_model
-from flashvlm.distributed.sharded_load import loads_sharded
+from flashvlm.config import EngineConfig
 from flashvlm.distributed.workers import TensorParallel
 from flashvlm.engine.detokenizer import IncrementalDetokenizer
-from flashvlm.engine.limits import EngineLimits, resolve_max_model_len
+from flashvlm.engine.limits import EngineLimits
+from flashvlm.engine.model_setup import setup_model
 from flashvlm.engine.request_outputs import Sample, TrackedRequest, sample_params, sample_request_id
 from flashvlm.engine.sched_output import SchedulerOutput
 from flashvlm.engine.scheduler import Scheduler
 from flashvlm.engine.stats import StepRecord, record_step
-from flashvlm.kernels.dispatch import set_kernel_backend
-from flashvlm.layers.linear import GEMV_MAX_ROWS, set_gemv_max_rows
-from flashvlm.models.loader import load_model, read_checkpoint, resolve_dtype
 from flashvlm.processing.input_processor import InputProcessor, ProcessedPrompt
 from flashvlm.pruning.setting import PruningChoice
 from flashvlm.quant.apply import quantization_summary
-from flashvlm.quant.plan import resolve_plan
 from flashvlm.request import (
     InvalidRequestError,
     Request,
@@ -39,7 +31,6 @@ from flashvlm.request import (
     RequestStatus,
     SamplingParams,
 )
-from flashvlm.runner.kv_scales import checkpoint_kv_scheme
 from flashvlm.runner.memory_planner import PIXEL_CACHE_BYTES
 from flashvlm.runner.model_runner import ModelRunner, StepTimings
 from flashvlm.structured.manager import REJECTED_STOP_REASON, StructuredOutputs
@@ -65,32 +56,9 @@ class Engine:
     def _build(self, config: EngineConfig) -> None:
         mc = config.model
         torch.manual_seed(mc.seed)
-        t0 = time.perf_counter()
-        self.checkpoint = read_checkpoint(mc)
-        # An FP8 cache reads the checkpoint's KV scales: a scheme we cannot run is refused before loading. A cache in
-        # the model dtype ignores them, so such a checkpoint still loads.
-        kv_scheme = checkpoint_kv_scheme(self.checkpoint.hf_config) if config.cache.kv_cache_dtype != "auto" else None
-        max_len = resolve_max_model_len(mc.max_model_len, self.checkpoint.max_position_embeddings)
-        self.dtype = resolve_dtype(mc, self.checkpoint.hf_config, config.device)
-        quant_plan = resolve_plan(mc.quantization, self.checkpoint.hf_config, mc.quantize_vision)
-        if quant_plan is not None and quant_plan.prequantized and config.tensor_parallel_size > 1:
-            raise ConfigError(f"the checkpoint is quantized ({quant_plan.method}); the layers of pre-quantized "
-                              "checkpoints are not sharded by tensor parallelism yet (--quantization on a float "
-                              "checkpoint is)")
-        self.model = load_model(mc, self.checkpoint, config.device, self.dtype, quant_plan, self.tp.group)
-        shard_model(self.model, self.tp.group, loads_sharded(self.checkpoint.hf_config, self.tp.group))
-        split_encoder(self.model, self.tp.group, config.mm_encoder_tp_mode, self.dtype, torch.device(config.device))
-        if quant_plan is not None and self.tp.group.size > 1:
-            quantize_sharded(self.model, quant_plan, self.tp.group)
-        set_kernel_backend(self.model, config.kernel_backend)
-        attention_backend, vision_attention = config.attention_for_dtype(self.dtype)
-        if (attention_backend, vision_attention) != (config.attention_backend, config.vision_attention):
-            logger.info("attention %s / vision %s: FlashAttention-4 takes bf16/fp16 models and KV caches; the model "
-                        "runs in %s, kv_cache_dtype is %s", attention_backend, vision_attention, self.dtype,
-                        config.cache.kv_cache_dtype)
-        set_vision_attention(self.model, vision_attention)
-        set_gemv_max_rows(self.model, GEMV_MAX_ROWS if config.decode_gemv else 0)
-        self.load_time = time.perf_counter() - t0
+        loaded = setup_model(config, self.tp)
+        self.checkpoint, self.model, self.dtype = loaded.checkpoint, loaded.model, loaded.dtype
+        self.load_time = loaded.load_time
         cache = config.cache
         text_cfg = self.checkpoint.text_config
         # "Caching off" (both caches off) also turns off the preprocessed-pixel cache: a cold baseline.
@@ -103,23 +71,23 @@ class Engine:
         self.eos_token_ids = self.checkpoint.eos_token_ids()
         self.structured = StructuredOutputs(self.checkpoint.tokenizer, text_cfg.vocab_size, self.eos_token_ids)
         """Constrained requests' grammar matchers (structured outputs): added here, advanced after each update."""
-        self.runner = ModelRunner(config, self.model, self.dtype, max_model_len=max_len,
-                                  attention_backend=attention_backend, structured=self.structured)
-        kv_scale_source = self.runner.set_kv_scales(kv_scheme)
+        self.runner = ModelRunner(config, self.model, self.dtype, max_model_len=loaded.max_len,
+                                  attention_backend=loaded.attention_backend, structured=self.structured)
+        kv_scale_source = self.runner.set_kv_scales(loaded.kv_scheme)
         num_blocks = self.tp.group.min_int(self.runner.determine_num_blocks(
             lambda: self.input_processor.profile_items(config.scheduler.max_num_batched_tokens)))
         self.runner.allocate_kv_cache(num_blocks)
-        self.limits = EngineLimits(max_model_len=max_len, num_kv_blocks=num_blocks,
+        self.limits = EngineLimits(max_model_len=loaded.max_len, num_kv_blocks=num_blocks,
                                    lookahead_slots=1 if self.runner.pipeline is not None else 0,
-                                   attention_backend=attention_backend, vision_attention=vision_attention,
-                                   quantization=None if quant_plan is None else
-                                   quantization_summary(self.model, quant_plan),
+                                   attention_backend=loaded.attention_backend, vision_attention=loaded.vision_attention,
+                                   quantization=None if loaded.quant_plan is None else
+                                   quantization_summary(self.model, loaded.quant_plan),
                                    kv_cache_dtype=dtype_name(self.runner.kv_dtype), kv_scale_source=kv_scale_source)
         """What this engine runs with, derived above; the config stays as validated."""
         self.scheduler = Scheduler(config.scheduler,
                                    BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching),
                                    EncoderCacheManager(cache.encoder_cache_tokens),
-                                   max_model_len=max_len, lookahead_slots=self.limits.lookahead_slots)
+                                   max_model_len=loaded.max_len, lookahead_slots=self.limits.lookahead_slots)
         self.tokenizer = self.checkpoint.tokenizer
         self._tracked: dict[str, TrackedRequest] = {}
         """Unfinished requests by the caller's id."""

@@ -28,7 +28,7 @@ from flashvlm.pruning.base import TokenGrid
 from flashvlm.request import InvalidRequestError, MMItem
 
 if TYPE_CHECKING:
-    from flashvlm.processing.input_processor import PixelCache
+    from flashvlm.processing.pixel_cache import PixelCache
 
 _MAX_PAD_CANVAS_PIXELS = 16384 * 16384
 """LLaVA's pad-to-square canvas (3 bytes a pixel) before it shrinks to 336x336: 800 MB at most, which still takes

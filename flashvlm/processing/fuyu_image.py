@@ -28,7 +28,7 @@ from flashvlm.processing.preprocess import (
 from flashvlm.request import InvalidRequestError, MMItem
 
 if TYPE_CHECKING:
-    from flashvlm.processing.input_processor import PixelCache
+    from flashvlm.processing.pixel_cache import PixelCache
     from flashvlm.pruning.base import TokenGrid
 
 BILINEAR = int(Image.Resampling.BILINEAR)

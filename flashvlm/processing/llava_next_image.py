@@ -31,7 +31,7 @@ from flashvlm.processing.preprocess import SourceImage, cached_preprocess, check
 from flashvlm.request import InvalidRequestError, MMItem
 
 if TYPE_CHECKING:
-    from flashvlm.processing.input_processor import PixelCache
+    from flashvlm.processing.pixel_cache import PixelCache
     from flashvlm.pruning.base import TokenGrid
 
 DEFAULT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))

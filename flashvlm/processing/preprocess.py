@@ -22,7 +22,7 @@ from PIL import Image
 from flashvlm.request import InvalidRequestError, MMItem
 
 if TYPE_CHECKING:
-    from flashvlm.processing.input_processor import PixelCache
+    from flashvlm.processing.pixel_cache import PixelCache
     from flashvlm.pruning.base import TokenGrid
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)

@@ -30,7 +30,7 @@ from flashvlm.pruning.base import TokenGrid
 from flashvlm.request import InvalidRequestError, MMItem
 
 if TYPE_CHECKING:
-    from flashvlm.processing.input_processor import PixelCache
+    from flashvlm.processing.pixel_cache import PixelCache
 
 Grid = tuple[int, int, int]
 

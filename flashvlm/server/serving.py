@@ -1,5 +1,5 @@
 """Request handling behind the routes: validation, SLA tier, admission, preprocessing off the event loop, then a
-streamed (SSE) or collected response. Metrics and traces are recorded when a request ends."""
+streamed (SSE: streaming.py) or collected response. Metrics and traces are recorded when a request ends."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,15 +18,15 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from flashvlm.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestStream
+from flashvlm.engine.async_engine import AsyncEngine
 from flashvlm.processing.input_processor import ProcessedPrompt
 from flashvlm.processing.prompt_pipeline import ImageBudgetError
-from flashvlm.request import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
+from flashvlm.request import InvalidRequestError, RequestOutput
 from flashvlm.server import limits, media
 from flashvlm.server.admission import QueueFullError
-from flashvlm.server.chat_output import ChatDeltas, assistant_message, chat_finish_reason
+from flashvlm.server.chat_output import assistant_message, chat_finish_reason
 from flashvlm.server.logprobs import LogprobsFormatter
-from flashvlm.server.outputs import finish_reason, response_usage, sse_event
+from flashvlm.server.outputs import finish_reason, response_usage
 from flashvlm.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -41,12 +41,9 @@ from flashvlm.server.responses import (
     CompletionResponse,
 )
 from flashvlm.server.sse import SSEResponse
-from flashvlm.server.tool_protocol import ToolMode
+from flashvlm.server.streaming import Started, chat_events, completion_events
 
 logger = logging.getLogger("flashvlm.server")
-
-Logprobs = list[TokenLogprobs] | None
-"""The log-probabilities a stream event carries: its new tokens' (None when the request did not ask)."""
 
 
 @dataclass
@@ -66,27 +63,6 @@ class ServerSettings:
     """How calls are read out of a chat answer with tools (server/tool_calls.py:TOOL_CALL_PARSERS)."""
 
 
-@dataclass
-class _Started:
-    """A request the engine accepted."""
-
-    stream: RequestStream
-    base_id: str
-    """The id the client sees (response id, x-request-id); the engine's key is `stream.request_id`."""
-    model: str
-    tier: str
-    params: SamplingParams
-    span: Any
-    include_usage: bool
-    latest: RequestOutput | None = None
-    """The newest output read so far, for the metrics of a request the client abandoned."""
-
-    @property
-    def final(self) -> RequestOutput | None:
-        """The finished output, once read: a request's stream ends with it, so it is the newest one."""
-        return self.latest if self.latest is not None and self.latest.finished else None
-
-
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: Any = None, tracer: Any = None) -> None:
         self.engine = engine
@@ -99,7 +75,7 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         st = await self._start(req, raw, lambda: self._prepare_chat(req))
         if req.stream:
-            return SSEResponse(self._chat_events(st, req.tool_mode))
+            return SSEResponse(chat_events(st, req.tool_mode, self.logprobs, self._finish))
         final = await self._collect(st, raw)
         if final is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
@@ -115,7 +91,7 @@ class OpenAIServing:
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
         st = await self._start(req, raw, lambda: self.engine.process_prompt(req.engine_prompt()))
         if req.stream:
-            return SSEResponse(self._completion_events(st))
+            return SSEResponse(completion_events(st, self.logprobs, self._finish))
         final = await self._collect(st, raw)
         if final is None:
             return Response(status_code=499)
@@ -128,7 +104,7 @@ class OpenAIServing:
 
     # ---- admission and preprocessing ----------------------------------------------------------
     async def _start(self, req: ChatCompletionRequest | CompletionRequest, raw: Request,
-                     prepare: Callable[[], Awaitable[ProcessedPrompt]]) -> _Started:
+                     prepare: Callable[[], Awaitable[ProcessedPrompt]]) -> Started:
         arrival = time.time()
         tier = "default"
         try:
@@ -170,7 +146,7 @@ class OpenAIServing:
                         "n=%d stream=%s", base_id, engine_id, tier, priority, len(processed.prompt_token_ids),
                         len(processed.mm_items), params.max_tokens, params.n, req.stream)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _Started(stream, base_id, model, tier, params, span, include_usage)
+        return Started(stream, base_id, model, tier, params, span, include_usage)
 
     @staticmethod
     def _request_ids(req: ChatCompletionRequest | CompletionRequest, raw: Request) -> tuple[str, str]:
@@ -238,7 +214,7 @@ class OpenAIServing:
             raise bad_request(f"{e} ({media.BUDGET_FLAGS[e.limit]})", "messages", "image_budget_exceeded") from None
 
     # ---- responses ----------------------------------------------------------------------------
-    async def _collect(self, st: _Started, raw: Request) -> RequestOutput | None:
+    async def _collect(self, st: Started, raw: Request) -> RequestOutput | None:
         """The final output; None if the client went away first (the request is then aborted)."""
 
         async def consume() -> RequestOutput | None:
@@ -264,103 +240,7 @@ class OpenAIServing:
             self._finish(st, final, error)
         return final
 
-    async def _chat_events(self, st: _Started, mode: ToolMode) -> AsyncIterator[str]:
-        rid, created = f"chatcmpl-{st.base_id}", int(time.time())
-        extra = {"usage": None} if st.include_usage else {}
-        choices = [ChatDeltas(mode) for _ in range(st.params.n)]
-
-        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, tokens: Logprobs = None) -> str:
-            logprobs = None if tokens is None else self.logprobs.chat(tokens)
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            return sse_event({"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model,
-                         "choices": [choice], **extra})
-
-        def text_chunks(index: int, text: str, tokens: Logprobs) -> str:
-            # The log-probabilities ride on the first delta, or on an empty one when a tag holds the text back.
-            deltas = choices[index].feed(text) or ([{"content": ""}] if tokens is not None else [])
-            return "".join(chunk(index, d, None, tokens if k == 0 else None) for k, d in enumerate(deltas))
-
-        def last_chunks(c: CompletionOutput, tokens: Logprobs) -> str:
-            rest = "".join(chunk(c.index, d) for d in choices[c.index].finish())
-            reason = chat_finish_reason(finish_reason(c), choices[c.index].num_calls > 0)
-            return rest + chunk(c.index, {}, reason, tokens)
-
-        for index in range(st.params.n):
-            yield chunk(index, {"role": "assistant", "content": ""})
-        async for piece in self._deltas(st, text_chunks, last_chunks):
-            if piece:
-                yield piece
-        if st.include_usage and st.final is not None:
-            yield sse_event({"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model,
-                        "choices": [], "usage": response_usage(st.final).model_dump()})
-        yield "data: [DONE]\n\n"
-
-    async def _completion_events(self, st: _Started) -> AsyncIterator[str]:
-        rid, created = f"cmpl-{st.base_id}", int(time.time())
-        extra = {"usage": None} if st.include_usage else {}
-
-        # Per choice: characters of the token texts sent so far, where its next chunk's offsets start.
-        text_offset = [0] * st.params.n
-
-        def chunk(index: int, text: str, finish: str | None = None, tokens: Logprobs = None) -> str:
-            logprobs = None if tokens is None else self.logprobs.completion(tokens, text_offset[index])
-            if logprobs is not None:
-                text_offset[index] += LogprobsFormatter.text_length(logprobs)
-            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            return sse_event({"id": rid, "object": "text_completion", "created": created, "model": st.model,
-                         "choices": [choice], **extra})
-
-        async for piece in self._deltas(st, lambda i, text, tokens: chunk(i, text, None, tokens),
-                                        lambda c, tokens: chunk(c.index, "", finish_reason(c), tokens)):
-            yield piece
-        if st.include_usage and st.final is not None:
-            yield sse_event({"id": rid, "object": "text_completion", "created": created, "model": st.model,
-                        "choices": [], "usage": response_usage(st.final).model_dump()})
-        yield "data: [DONE]\n\n"
-
-    async def _deltas(self, st: _Started, content: Callable[[int, str, Logprobs], str],
-                      last: Callable[[CompletionOutput, Logprobs], str]) -> AsyncIterator[str]:
-        """Per choice (completion index), text deltas as SSE events, then its finish event once that completion
-        ends; an engine failure becomes an error event. Each event carries the log-probabilities of its choice's
-        tokens that arrived since the last one (None unless asked for)."""
-        # The engine's cumulative text may still lose its tail to a stop string a later token completes;
-        # holding back that many characters means nothing streamed is ever taken back.
-        holdback = max((len(s) for s in st.params.stop), default=1) - 1
-        n = st.params.n
-        sent, sent_tokens, ended = [0] * n, [0] * n, [False] * n
-        final: RequestOutput | None = None
-        error: BaseException | None = None
-        try:
-            async for out in st.stream:
-                st.latest = out
-                for c in out.outputs:
-                    i = c.index
-                    if ended[i]:
-                        continue
-                    text = c.text
-                    end = len(text) if c.finished else max(sent[i], len(text) - holdback)
-                    if end > sent[i]:
-                        tokens = None if c.logprobs is None else c.logprobs[sent_tokens[i]:]
-                        sent_tokens[i] = len(c.token_ids)
-                        yield content(i, text[sent[i]:end], tokens)
-                        sent[i] = end
-                    if c.finished:
-                        ended[i] = True
-                        yield last(c, None if c.logprobs is None else c.logprobs[sent_tokens[i]:] or None)
-                if out.finished:
-                    final = out
-        except (EngineStepError, EngineDeadError) as e:
-            error = e
-            yield sse_event({"error": {"message": str(e), "type": "server_error", "param": None,
-                                  "code": "engine_error"}})
-        except BaseException as e:  # cancelled: the client went away
-            error = e
-            raise
-        finally:
-            st.stream.close()
-            self._finish(st, final, error)
-
-    def _finish(self, st: _Started, final: RequestOutput | None, error: BaseException | None) -> None:
+    def _finish(self, st: Started, final: RequestOutput | None, error: BaseException | None) -> None:
         if self.metrics is not None:
             if final is not None:
                 self.metrics.observe_finished(final, st.tier, st.stream.inter_token_latencies)

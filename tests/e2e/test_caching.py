@@ -190,7 +190,7 @@ def test_repeated_image_skips_preprocessing(family) -> None:
 def test_pixel_cache_lru_bounded_in_bytes() -> None:
     import torch
 
-    from flashvlm.processing.input_processor import PixelCache
+    from flashvlm.processing.pixel_cache import PixelCache
 
     cache = PixelCache(max_bytes=3 * 400)
     for i in range(4):
