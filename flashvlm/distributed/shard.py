@@ -14,10 +14,12 @@ from torch import nn
 from flashvlm.config import ConfigError
 from flashvlm.distributed.group import TPGroup
 from flashvlm.distributed.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from flashvlm.distributed.prequant_shard import quantized_row_parallel
 from flashvlm.layers.linear import Linear, MergedLinear
 from flashvlm.layers.mlp import GatedMLP
 from flashvlm.models.decoder import DecoderAttention
 from flashvlm.models.persimmon import PersimmonAttention, PersimmonMLP
+from flashvlm.quant.base import QuantizedLinear
 
 
 def head_split(num_heads: int, num_kv_heads: int, group: TPGroup) -> tuple[range, range]:
@@ -35,6 +37,13 @@ def head_split(num_heads: int, num_kv_heads: int, group: TPGroup) -> tuple[range
         return range(r * local, (r + 1) * local), range(r * kv_local, (r + 1) * kv_local)
     kv = r // (n // num_kv_heads)
     return range(r * local, (r + 1) * local), range(kv, kv + 1)
+
+
+def _row_parallel(layer: nn.Module, group: TPGroup, start: int, end: int, name: str) -> nn.Module:
+    """Input columns [start, end) of `layer`, summed over ranks; a pre-quantized layer holds them already."""
+    if isinstance(layer, QuantizedLinear):
+        return quantized_row_parallel(layer, group, start, end, name)
+    return RowParallelLinear(layer, group, start, end)
 
 
 def _rows(heads: range, head_dim: int) -> slice:
@@ -61,7 +70,7 @@ def _shard_attention(attn: DecoderAttention, group: TPGroup, part: TPGroup) -> N
     q_rows, kv_rows = _rows(heads, attn.head_dim), _rows(kv_heads, attn.head_dim)
     if part.size > 1:
         attn.qkv_proj = column_slice(attn.qkv_proj, [q_rows, kv_rows, kv_rows])
-    attn.o_proj = RowParallelLinear(attn.o_proj, group, q_rows.start, q_rows.stop)
+    attn.o_proj = _row_parallel(attn.o_proj, group, q_rows.start, q_rows.stop, "o_proj")
     attn.num_heads, attn.num_kv_heads = len(heads), len(kv_heads)
     attn.attn.num_heads, attn.attn.num_kv_heads = len(heads), len(kv_heads)
 
@@ -70,7 +79,7 @@ def _shard_persimmon_attention(attn: PersimmonAttention, group: TPGroup) -> None
     heads, _ = head_split(attn.num_heads, attn.num_heads, group)
     rows = _rows(heads, attn.head_dim)
     attn.query_key_value = column_slice(attn.query_key_value, [rows, rows, rows])
-    attn.dense = RowParallelLinear(attn.dense, group, rows.start, rows.stop)
+    attn.dense = _row_parallel(attn.dense, group, rows.start, rows.stop, "dense")
     attn.num_heads = attn.attn.num_heads = attn.attn.num_kv_heads = len(heads)
 
 
@@ -85,7 +94,7 @@ def _shard_persimmon_mlp(mlp: PersimmonMLP, group: TPGroup) -> None:
     up = mlp.dense_h_to_4h
     rows = intermediate_rows(up.out_features, group)
     mlp.dense_h_to_4h = column_slice(_as_merged(up), [rows])
-    mlp.dense_4h_to_h = RowParallelLinear(mlp.dense_4h_to_h, group, rows.start, rows.stop)
+    mlp.dense_4h_to_h = _row_parallel(mlp.dense_4h_to_h, group, rows.start, rows.stop, "dense_4h_to_h")
 
 
 def _as_merged(layer: Linear) -> MergedLinear:
@@ -102,7 +111,7 @@ def shard_gated_mlp(mlp: GatedMLP, group: TPGroup, part: TPGroup | None = None) 
     rows = intermediate_rows(mlp.gate_up_proj.out_sizes[0], part)
     if part.size > 1:
         mlp.gate_up_proj = column_slice(mlp.gate_up_proj, [rows, rows])
-    mlp.down_proj = RowParallelLinear(mlp.down_proj, group, rows.start, rows.stop)
+    mlp.down_proj = _row_parallel(mlp.down_proj, group, rows.start, rows.stop, "down_proj")
 
 
 def shard_model(model: nn.Module, group: TPGroup, loaded_local: bool = False) -> None:
@@ -132,6 +141,8 @@ def shard_model(model: nn.Module, group: TPGroup, loaded_local: bool = False) ->
     vocab = lm.embed_tokens.num_embeddings
     head: Linear | None = model.lm_head
     tied_weight = lm.embed_tokens.weight.detach()
+    if isinstance(head, QuantizedLinear):
+        raise ConfigError("the checkpoint stores the LM head quantized: tensor parallelism splits a float LM head")
     if not model.encoder_reads_embeddings:
         lm.embed_tokens = VocabParallelEmbedding(lm.embed_tokens, group)
     if head is None:  # tied: the head reads the embedding's rows

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from flashvlm.attention.vision import set_vision_attention
-from flashvlm.config import ConfigError, EngineConfig
+from flashvlm.config import EngineConfig
 from flashvlm.distributed.encoder import split_encoder
+from flashvlm.distributed.prequant_shard import check_vision_float
 from flashvlm.distributed.quant_shard import quantize_sharded
 from flashvlm.distributed.shard import shard_model
-from flashvlm.distributed.sharded_load import loads_sharded
+from flashvlm.distributed.sharded_load import check_prequantized_split, loads_sharded
 from flashvlm.distributed.workers import TensorParallel
 from flashvlm.engine.limits import resolve_max_model_len
 from flashvlm.kernels.dispatch import set_kernel_backend
@@ -61,14 +62,15 @@ def setup_model(config: EngineConfig, tp: TensorParallel) -> LoadedModel:
     max_len = resolve_max_model_len(mc.max_model_len, checkpoint.max_position_embeddings)
     dtype = resolve_dtype(mc, checkpoint.hf_config, config.device)
     quant_plan = resolve_plan(mc.quantization, checkpoint.hf_config, mc.quantize_vision)
-    if quant_plan is not None and quant_plan.prequantized and config.tensor_parallel_size > 1:
-        raise ConfigError(f"the checkpoint is quantized ({quant_plan.method}); the layers of pre-quantized "
-                          "checkpoints are not sharded by tensor parallelism yet (--quantization on a float "
-                          "checkpoint is)")
+    prequantized = quant_plan is not None and quant_plan.prequantized
+    if prequantized and tp.group.size > 1:
+        check_prequantized_split(checkpoint.hf_config, tp.group, mc.load_format)
     model = load_model(mc, checkpoint, config.device, dtype, quant_plan, tp.group)
+    if prequantized and tp.group.size > 1 and config.mm_encoder_tp_mode == "weights":
+        check_vision_float(model)
     shard_model(model, tp.group, loads_sharded(checkpoint.hf_config, tp.group))
     split_encoder(model, tp.group, config.mm_encoder_tp_mode, dtype, torch.device(config.device))
-    if quant_plan is not None and tp.group.size > 1:
+    if quant_plan is not None and not prequantized and tp.group.size > 1:
         quantize_sharded(model, quant_plan, tp.group)
     set_kernel_backend(model, config.kernel_backend)
     attention_backend, vision_attention = config.attention_for_dtype(dtype)

@@ -168,7 +168,7 @@ def load_model(model_config: ModelConfig, checkpoint: Checkpoint, device: str, d
         prepare_for_checkpoint(model, quant_plan, checkpoint_tensor_names(checkpoint.path))
     weights = iterate_checkpoint(checkpoint.path)
     if local:
-        weights = narrow_checkpoint(weights, checkpoint.hf_config, tp_group)
+        weights = narrow_checkpoint(weights, checkpoint.hf_config, tp_group, quant_plan)
     filled = model.load_weights((name, t.to(device)) for name, t in weights)
     check_all_loaded(model, filled)
     if prequantized:

@@ -12,7 +12,7 @@ from flashvlm.quant.base import QuantFormatError, QuantizedLinear
 from flashvlm.quant.plan import QuantPlan
 from flashvlm.quant.registry import get_method
 
-_VISION_ROOTS = ("visual", "vision_tower", "multi_modal_projector")
+VISION_ROOTS = ("visual", "vision_tower", "multi_modal_projector")
 _FLOAT_LINEARS = (Linear, PlainLinear)
 _CONVOLUTIONS_IN_CHECKPOINTS = ("patch_embed.proj",)
 """Linear layers that checkpoints store as convolutions (Qwen's Conv3d patch embedding, run as a linear layer over
@@ -26,7 +26,7 @@ def float_targets(model: nn.Module, quantize_vision: bool) -> list[str]:
     names = [f"language_model.{n}" for n, m in model.language_model.named_modules()
              if isinstance(m, _FLOAT_LINEARS)]
     if quantize_vision:
-        for root in _VISION_ROOTS:
+        for root in VISION_ROOTS:
             sub = getattr(model, root, None)
             if sub is not None:
                 names += [f"{root}.{n}" for n, m in sub.named_modules() if isinstance(m, _FLOAT_LINEARS)

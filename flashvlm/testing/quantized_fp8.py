@@ -169,6 +169,17 @@ def write_transformers_fp8(src: str | Path, dst: str | Path, block: tuple[int, i
     return _save(dst, out, config)
 
 
+def write_compressed_tensors_fp8_blocks(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128)) -> Path:
+    """The blocks of `write_transformers_fp8` as llm-compressor's FP8_BLOCK saves them: compressed-tensors,
+    the block scales named `weight_scale`, activations dynamic per token and group of the block's columns."""
+    dst = write_transformers_fp8(src, dst, block)
+    state = {n.removesuffix("_inv"): t for n, t in _read(dst).items()}
+    weights = {"block_structure": list(block)}
+    config = compressed_tensors_config("block", "dynamic", _ignored_modules(state), weights)
+    config["config_groups"]["group_0"]["input_activations"] = _args("group", True, None, group_size=block[1])
+    return _save(dst, state, config)
+
+
 def dequantize_tensors(state: dict[str, torch.Tensor], block: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """Every FP8 weight of a checkpoint's tensors times its scales, in float32 (`block`: the (rows, columns) tile
     of block scales); scales and input scales dropped."""

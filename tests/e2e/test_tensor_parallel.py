@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU: 2 (or 4) processes over gloo on the tiny checkpoints give the greedy tokens of
 tensor_parallel_size 1 (float32) with either vision-tower mode, and a failing rank gives a clear error and leaves no
-process behind."""
+process behind. Pre-quantized checkpoints: test_tensor_parallel_prequantized.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from flashvlm.distributed.group import TensorParallelError, TPGroup
 from flashvlm.distributed.layers import RowParallelLinear
 from flashvlm.distributed.shard import head_split
 from flashvlm.request import MMItem
-from flashvlm.testing.quantized_fp8 import write_compressed_tensors_fp8
 from flashvlm.testing.tiny_checkpoints import build_fuyu, build_llava, build_llava_next, build_qwen2_vl, build_qwen3_vl
 
 QWEN = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -220,12 +219,6 @@ def test_int4_slices_of_partial_groups_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="self_attn.o_proj holds 32 inputs per rank, not a whole number of its "
                                           "groups of 128"):
         _tokens(path, 2, ["hello"], quantization="int4")
-
-
-def test_a_prequantized_checkpoint_is_refused(tmp_path):
-    quantized = write_compressed_tensors_fp8(build_qwen2_vl(tmp_path / "qwen2_vl"), tmp_path / "ct")
-    with pytest.raises(ConfigError, match="pre-quantized checkpoints are not sharded"):
-        _tokens(quantized, 2, ["hello"])
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
