@@ -65,13 +65,19 @@ FORMATS: dict[str, Callable[[Path, Path], Path]] = {
 }
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+# The default run keeps the dynamic FP8 path (each token's whole-row amax across ranks) and INT4's groups split on
+# the rows; each other format is one more pair of engines (5-10 s) and runs with the slow tests.
+FAST_FORMATS = ("fp8-channel-dynamic", "int4-groups")
+
+
+@pytest.mark.parametrize("fmt", [f if f in FAST_FORMATS else pytest.param(f, marks=pytest.mark.slow) for f in FORMATS])
 def test_prequantized_checkpoint_matches_one_rank(tmp_path, fmt):
     quantized = FORMATS[fmt](build_qwen2_vl(tmp_path / "base"), tmp_path / "quantized")
     single = _tokens(quantized, 1)
     assert _tokens(quantized, 2) == single
 
 
+@pytest.mark.slow
 def test_prequantized_checkpoint_with_a_sharded_tower_matches_one_rank(tmp_path):
     quantized = write_compressed_tensors_fp8(build_qwen2_vl(tmp_path / "base"), tmp_path / "quantized")
     assert _tokens(quantized, 2, mm_encoder_tp_mode="weights") == _tokens(quantized, 1)
@@ -92,7 +98,7 @@ def test_each_rank_holds_its_slices_of_the_quantized_tensors(tmp_path):
 
 @pytest.mark.parametrize(("write", "what"), [
     (functools.partial(write_int4_checkpoint, group_size=128), "groups of 128"),
-    (write_transformers_fp8, "weight blocks' columns of 128"),
+    pytest.param(write_transformers_fp8, "weight blocks' columns of 128", marks=pytest.mark.slow),
 ])
 def test_splits_off_the_groups_or_blocks_are_refused(tmp_path, write, what):
     quantized = write(build_qwen2_vl(tmp_path / "base"), tmp_path / "quantized")
