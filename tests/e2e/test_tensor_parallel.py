@@ -56,7 +56,8 @@ def _parity(tmp_path, family: str, size: int = 2, modes: tuple[str, ...] = ("dat
 
 
 def test_qwen2_vl_matches_one_rank(tmp_path):
-    _parity(tmp_path, "qwen2_vl")
+    # The default data mode: test_rank_zero_holds_its_share_and_matches_one_rank, on an engine it builds anyway.
+    _parity(tmp_path, "qwen2_vl", modes=("weights",))
 
 
 @pytest.mark.slow
@@ -114,9 +115,13 @@ def test_triton_backend_on_each_rank_matches_one_rank(tmp_path):
                    enforce_eager=True, max_num_batched_tokens=24) == single
 
 
-def test_rank_zero_holds_its_share(tmp_path):
+def test_rank_zero_holds_its_share_and_matches_one_rank(tmp_path):
+    """Rank 0's slice of the model, then the greedy tokens of one rank with the default (data) encoder mode."""
     path = build_qwen2_vl(tmp_path / "q")
+    prompts = _prompts(QWEN, 2)
+    single = _tokens(path, 1, prompts)
     with LLM(str(path), tensor_parallel_size=2, **OPTIONS) as llm:
+        assert llm.engine.config.mm_encoder_tp_mode == "data"
         engine = llm.engine
         attn = engine.model.language_model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads, attn.attn.num_heads, attn.attn.num_kv_heads) == (2, 1, 2, 1)
@@ -128,6 +133,7 @@ def test_rank_zero_holds_its_share(tmp_path):
         assert engine.model.language_model.embed_tokens.weight.shape[0] == engine.model.vocab_size // 2
         processes = engine.tp.processes
         assert len(processes) == 1 and processes[0].is_alive()
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == single
     assert not processes[0].is_alive() and processes[0].exitcode == 0
 
 
@@ -165,6 +171,7 @@ def test_failing_rank_raises_and_leaves_no_process(tmp_path, monkeypatch, where)
     llm.close()
 
 
+@pytest.mark.slow
 def test_a_model_the_ranks_cannot_split_is_a_config_error(tmp_path):
     """4 attention heads over 3 ranks: rank 0's own error (every rank finds it), not a worker's report."""
     path = build_qwen2_vl(tmp_path / "q")
@@ -194,24 +201,26 @@ def test_idle_workers_outlive_the_collective_timeout(tmp_path):
         assert llm.generate("hello", GREEDY)[0].outputs[0].token_ids == first
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_quantize_at_load_matches_one_rank(tmp_path, method):
+# Each method and each encoder mode once by default; the other two pairs in the slow set.
+@pytest.mark.parametrize(("method", "mode"), [("int8", "weights"), ("fp8", "data"),
+                                              pytest.param("int8", "data", marks=pytest.mark.slow),
+                                              pytest.param("fp8", "weights", marks=pytest.mark.slow)])
+def test_quantize_at_load_matches_one_rank(tmp_path, method, mode):
     path = build_qwen2_vl(tmp_path / "qwen2_vl")
     prompts = _prompts(QWEN, 2)
     single = _tokens(path, 1, prompts, quantization=method, quantize_vision=True)
-    for mode in ("data", "weights"):
-        assert _tokens(path, 2, prompts, quantization=method, quantize_vision=True, mm_encoder_tp_mode=mode) \
-            == single, mode
+    assert _tokens(path, 2, prompts, quantization=method, quantize_vision=True, mm_encoder_tp_mode=mode) == single
 
 
-def test_int4_by_whole_groups_matches_one_rank(tmp_path):
+# int4 quantizes the language model only, whose sharding the encoder mode leaves alone: data mode is slow.
+@pytest.mark.parametrize("mode", ["weights", pytest.param("data", marks=pytest.mark.slow)])
+def test_int4_by_whole_groups_matches_one_rank(tmp_path, mode):
     # 256 wide: each rank's o_proj and down_proj inputs (128 and 256) are whole groups of 128.
     path = build_qwen2_vl(tmp_path / "qwen2_vl", hidden=256)
     prompts = _prompts(QWEN, 2)
     single = _tokens(path, 1, prompts, quantization="int4")
     assert single != _tokens(path, 1, prompts)
-    for mode in ("data", "weights"):
-        assert _tokens(path, 2, prompts, quantization="int4", mm_encoder_tp_mode=mode) == single, mode
+    assert _tokens(path, 2, prompts, quantization="int4", mm_encoder_tp_mode=mode) == single
 
 
 def test_int4_slices_of_partial_groups_are_refused(tmp_path):

@@ -1,5 +1,6 @@
 """GPU options on a machine that cannot run them end `flashvlm serve / generate / bench` at start with one line
-naming the problem and a non-zero exit code: no traceback, no model loaded first."""
+naming the problem and a non-zero exit code: no traceback, no model loaded first. Each command runs through
+`flashvlm.cli.main` in this process and, as a user runs it, in a fresh one."""
 
 from __future__ import annotations
 
@@ -18,9 +19,20 @@ _ROOT = Path(__file__).resolve().parents[2]
 _COMMANDS = {"serve": ["serve", "--port", "0"], "generate": ["generate", "hi", "--max-tokens", "1"],
              "bench": ["bench", "latency", "--num-requests", "1"]}
 _SERVE_MISSING = not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn"))
-_COMMAND_CASES = [pytest.param(c, marks=pytest.mark.skipif(c == "serve" and _SERVE_MISSING,
-                                                           reason="`flashvlm serve` needs the [serve] extra"))
-                  for c in sorted(_COMMANDS)]
+
+
+def _marks(command: str, runner: str) -> list[pytest.MarkDecorator]:
+    # A fresh process starts torch again (seconds on 2 cores): `generate` runs in one by default, the other two
+    # commands only in the slow set; in this process every command runs by default.
+    marks = [pytest.mark.skipif(command == "serve" and _SERVE_MISSING,
+                                reason="`flashvlm serve` needs the [serve] extra")]
+    if runner == "subprocess" and command != "generate":
+        marks.append(pytest.mark.slow)
+    return marks
+
+
+_COMMAND_CASES = [pytest.param(c, r, marks=_marks(c, r), id=f"{c}-{r}")
+                  for c in sorted(_COMMANDS) for r in ("in_process", "subprocess")]
 
 
 def _missing_gpu() -> tuple[str, str]:
@@ -30,11 +42,34 @@ def _missing_gpu() -> tuple[str, str]:
     return "cuda", "CUDA is not available"
 
 
-def _run_cli(args: list[str]) -> subprocess.CompletedProcess[str]:
+def _run_cli(args: list[str], runner: str, capsys: pytest.CaptureFixture[str],
+             monkeypatch: pytest.MonkeyPatch) -> subprocess.CompletedProcess[str]:
+    if runner == "in_process":
+        return _run_in_process(args, capsys, monkeypatch)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-m", "flashvlm.cli", *args], capture_output=True, text=True,
                           env=env, cwd=_ROOT, timeout=300)
+
+
+def _run_in_process(args: list[str], capsys: pytest.CaptureFixture[str],
+                    monkeypatch: pytest.MonkeyPatch) -> subprocess.CompletedProcess[str]:
+    """`flashvlm.cli.main` here: a traceback would fail the test as an exception; a server it reached would
+    never return, so reaching one fails at once."""
+    from flashvlm.cli import main
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if args[0] == "serve":
+        from flashvlm.server import http_server
+
+        def _no_server(*_args: object, **_kwargs: object) -> None:
+            raise AssertionError("`flashvlm serve` got as far as starting its server")
+
+        monkeypatch.setattr(http_server, "build_server", _no_server)
+    capsys.readouterr()
+    code = main(args)
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
 
 
 def _assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -46,16 +81,19 @@ def _assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str
         assert needle in errors[0], errors[0]
 
 
-@pytest.mark.parametrize("command", _COMMAND_CASES)
-def test_missing_cuda_device_is_one_line(command: str) -> None:
+@pytest.mark.parametrize(("command", "runner"), _COMMAND_CASES)
+def test_missing_cuda_device_is_one_line(command: str, runner: str, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     device, needle = _missing_gpu()
-    proc = _run_cli([*_COMMANDS[command], "--device", device])
+    proc = _run_cli([*_COMMANDS[command], "--device", device], runner, capsys, monkeypatch)
     _assert_one_line_error(proc, f"device={device!r}", needle)
 
 
-@pytest.mark.parametrize("command", _COMMAND_CASES)
-def test_triton_attention_on_cpu_without_interpreter_is_refused_at_start(command: str) -> None:
-    proc = _run_cli([*_COMMANDS[command], "--device", "cpu", "--attention-backend", "triton"])
+@pytest.mark.parametrize(("command", "runner"), _COMMAND_CASES)
+def test_triton_attention_on_cpu_without_interpreter_is_refused_at_start(
+        command: str, runner: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    proc = _run_cli([*_COMMANDS[command], "--device", "cpu", "--attention-backend", "triton"], runner, capsys,
+                    monkeypatch)
     _assert_one_line_error(proc, "attention_backend='triton'", "TRITON_INTERPRET=1")
 
 
