@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -102,17 +103,23 @@ def test_tier_mix_parsing() -> None:
             parse_tier_mix(bad)
 
 
-def test_compare_flags_regression(tmp_path, capsys) -> None:
-    doc = _run(["latency", *SMALL], tmp_path / "a")
+@pytest.fixture(scope="module")
+def latency_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """One latency run with repeated images, its document and results.json, for the tests that only read them."""
+    out = tmp_path_factory.mktemp("latency")
+    return _run(["latency", *SMALL, "--num-requests", "4", "--repeated-image-ratio", "0.5"], out), out / "results.json"
+
+
+def test_compare_flags_regression(tmp_path, capsys, latency_run) -> None:
+    doc, results = latency_run
     slower = json.loads(json.dumps(doc))
     run = slower["runs"][0]["summary"]
     run["ttft_ms"]["p50"] *= 1.2
     run["output_throughput"] *= 0.8
     (tmp_path / "b.json").write_text(json.dumps(slower))
-    assert main(["bench", "compare", str(tmp_path / "a" / "results.json"), str(tmp_path / "b.json")]) == 1
+    assert main(["bench", "compare", str(results), str(tmp_path / "b.json")]) == 1
     assert "REGRESSION" in capsys.readouterr().out
-    assert main(["bench", "compare", str(tmp_path / "a" / "results.json"),
-                 str(tmp_path / "a" / "results.json")]) == 0
+    assert main(["bench", "compare", str(results), str(results)]) == 0
 
 
 def test_bad_workload_is_a_clear_error(capsys) -> None:
@@ -135,7 +142,7 @@ def test_warm_up_does_not_seed_the_caches(tmp_path) -> None:
     assert llm.engine.stats()["encoder_cache_hits"] == 0
 
 
-def test_multiturn_and_repeated_image_splits(tmp_path) -> None:
+def test_multiturn_and_repeated_image_splits(tmp_path, latency_run) -> None:
     doc = _run(["multiturn", *SMALL], tmp_path / "m")
     run = doc["runs"][0]
     ids = [r["request_id"] for r in run["records"]]
@@ -143,8 +150,7 @@ def test_multiturn_and_repeated_image_splits(tmp_path) -> None:
     turn1, turn2 = run["records"][0], run["records"][1]
     assert turn2["prompt_tokens"] > turn1["prompt_tokens"] + turn1["output_tokens"]
     assert run["summary"]["turn2_ttft_ms"]["p50"] is not None
-    doc = _run(["latency", *SMALL, "--num-requests", "4", "--repeated-image-ratio", "0.5"], tmp_path / "r")
-    s = doc["runs"][0]["summary"]
+    s = latency_run[0]["runs"][0]["summary"]
     assert s["ttft_first_image_ms"]["p50"] is not None and s["ttft_repeated_image_ms"]["p50"] is not None
 
 
