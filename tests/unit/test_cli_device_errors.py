@@ -21,18 +21,16 @@ _COMMANDS = {"serve": ["serve", "--port", "0"], "generate": ["generate", "hi", "
 _SERVE_MISSING = not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn"))
 
 
-def _marks(command: str, runner: str) -> list[pytest.MarkDecorator]:
-    # A fresh process starts torch again (seconds on 2 cores): `generate` runs in one by default, the other two
-    # commands only in the slow set; in this process every command runs by default.
-    marks = [pytest.mark.skipif(command == "serve" and _SERVE_MISSING,
-                                reason="`flashvlm serve` needs the [serve] extra")]
-    if runner == "subprocess" and command != "generate":
-        marks.append(pytest.mark.slow)
-    return marks
+def _cases(fresh_by_default: tuple[str, ...]) -> list:
+    """Each command in this process, and in a fresh one (which starts torch again: seconds on 2 cores), the
+    latter slow except for the commands named."""
+    def marks(command: str, runner: str) -> list[pytest.MarkDecorator]:
+        out = [pytest.mark.skipif(command == "serve" and _SERVE_MISSING,
+                                  reason="`flashvlm serve` needs the [serve] extra")]
+        return out + [pytest.mark.slow] if runner == "subprocess" and command not in fresh_by_default else out
 
-
-_COMMAND_CASES = [pytest.param(c, r, marks=_marks(c, r), id=f"{c}-{r}")
-                  for c in sorted(_COMMANDS) for r in ("in_process", "subprocess")]
+    return [pytest.param(c, r, marks=marks(c, r), id=f"{c}-{r}")
+            for c in sorted(_COMMANDS) for r in ("in_process", "subprocess")]
 
 
 def _missing_gpu() -> tuple[str, str]:
@@ -81,7 +79,7 @@ def _assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str
         assert needle in errors[0], errors[0]
 
 
-@pytest.mark.parametrize(("command", "runner"), _COMMAND_CASES)
+@pytest.mark.parametrize(("command", "runner"), _cases(fresh_by_default=("generate",)))
 def test_missing_cuda_device_is_one_line(command: str, runner: str, capsys: pytest.CaptureFixture[str],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     device, needle = _missing_gpu()
@@ -89,7 +87,8 @@ def test_missing_cuda_device_is_one_line(command: str, runner: str, capsys: pyte
     _assert_one_line_error(proc, f"device={device!r}", needle)
 
 
-@pytest.mark.parametrize(("command", "runner"), _COMMAND_CASES)
+# A fresh `generate` process refusing in one line: test_missing_cuda_device_is_one_line[generate-subprocess].
+@pytest.mark.parametrize(("command", "runner"), _cases(fresh_by_default=()))
 def test_triton_attention_on_cpu_without_interpreter_is_refused_at_start(
         command: str, runner: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     proc = _run_cli([*_COMMANDS[command], "--device", "cpu", "--attention-backend", "triton"], runner, capsys,
