@@ -55,8 +55,11 @@ def _parity(tmp_path, family: str, size: int = 2, modes: tuple[str, ...] = ("dat
         assert _tokens(path, size, prompts, mm_encoder_tp_mode=mode) == single, mode
 
 
+@pytest.mark.slow
 def test_qwen2_vl_matches_one_rank(tmp_path):
-    # The default data mode: test_rank_zero_holds_its_share_and_matches_one_rank, on an engine it builds anyway.
+    """By default its parts run elsewhere: the float language model over 2 ranks in
+    test_rank_zero_holds_its_share_and_matches_one_rank (data mode), the float tower sharded by weights mode in
+    test_int4_by_whole_groups_matches_one_rank[weights]."""
     _parity(tmp_path, "qwen2_vl", modes=("weights",))
 
 
@@ -201,9 +204,11 @@ def test_idle_workers_outlive_the_collective_timeout(tmp_path):
         assert llm.generate("hello", GREEDY)[0].outputs[0].token_ids == first
 
 
-# Each method and each encoder mode once by default; the other two pairs in the slow set.
-@pytest.mark.parametrize(("method", "mode"), [("int8", "weights"), ("fp8", "data"),
+# int8 with the quantized tower sharded by default. fp8 takes the same path (quant_shard.quantize_sharded), its
+# row slices' rounding checked by test_row_parallel_slices_round_as_the_whole_row[fp8]; the rest are slow.
+@pytest.mark.parametrize(("method", "mode"), [("int8", "weights"),
                                               pytest.param("int8", "data", marks=pytest.mark.slow),
+                                              pytest.param("fp8", "data", marks=pytest.mark.slow),
                                               pytest.param("fp8", "weights", marks=pytest.mark.slow)])
 def test_quantize_at_load_matches_one_rank(tmp_path, method, mode):
     path = build_qwen2_vl(tmp_path / "qwen2_vl")
