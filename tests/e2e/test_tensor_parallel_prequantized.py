@@ -65,9 +65,10 @@ FORMATS: dict[str, Callable[[Path, Path], Path]] = {
 }
 
 
-# The default run keeps the dynamic FP8 path (each token's whole-row amax across ranks) and INT4's groups split on
-# the rows; each other format is one more pair of engines (5-10 s) and runs with the slow tests.
-FAST_FORMATS = ("fp8-channel-dynamic", "int4-groups")
+# The default run keeps the dynamic FP8 path (each token's whole-row amax across ranks) here and INT4's groups split
+# on the rows in test_each_rank_holds_its_slices_of_the_quantized_tensors, on the engine whose slices it reads; each
+# other format is one more pair of engines (5-10 s) and runs with the slow tests.
+FAST_FORMATS = ("fp8-channel-dynamic",)
 
 
 @pytest.mark.parametrize("fmt", [f if f in FAST_FORMATS else pytest.param(f, marks=pytest.mark.slow) for f in FORMATS])
@@ -84,7 +85,10 @@ def test_prequantized_checkpoint_with_a_sharded_tower_matches_one_rank(tmp_path)
 
 
 def test_each_rank_holds_its_slices_of_the_quantized_tensors(tmp_path):
-    quantized = write_int4_checkpoint(build_qwen2_vl(tmp_path / "base"), tmp_path / "int4", group_size=32)
+    """Rank 0's slices of an INT4 checkpoint in groups of 32, then the greedy tokens of one rank (the int4-groups
+    case of test_prequantized_checkpoint_matches_one_rank, which runs with the slow tests)."""
+    quantized = FORMATS["int4-groups"](build_qwen2_vl(tmp_path / "base"), tmp_path / "int4")
+    single = _tokens(quantized, 1)
     with LLM(str(quantized), tensor_parallel_size=2, **OPTIONS) as llm:
         layer = llm.engine.model.language_model.layers[0]
         qkv, o = layer.self_attn.qkv_proj, layer.self_attn.o_proj
@@ -94,6 +98,7 @@ def test_each_rank_holds_its_slices_of_the_quantized_tensors(tmp_path):
         assert (o.inner.in_features, o.inner.out_features, tuple(o.inner.scales.shape)) == (32, 64, (1, 64))
         down = layer.mlp.down_proj
         assert (down.inner.in_features, tuple(down.inner.scales.shape)) == (64, (2, 64))
+        assert [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)] == single
 
 
 @pytest.mark.parametrize(("write", "what"), [
