@@ -19,7 +19,7 @@
 # version check and imports (for a dry run of `install` on another Python).
 set -euo pipefail
 OUTDIR=.serve DL=/tmp/servedl PARTS=/tmp/serveparts SITE=/tmp/servesite LIMIT=40000000 RAY='ray[serve]==2.60.0'
-# The host image's packages (docs of the device's 'cuda' image, read 2026-11-17); versions there: `pip show NAME`.
+# The GPU host image's own packages (its documented list); their versions there: `pip show NAME`.
 HOST="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
 charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
 cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock

@@ -63,14 +63,15 @@ def setup_model(config: EngineConfig, tp: TensorParallel) -> LoadedModel:
     dtype = resolve_dtype(mc, checkpoint.hf_config, config.device)
     quant_plan = resolve_plan(mc.quantization, checkpoint.hf_config, mc.quantize_vision)
     prequantized = quant_plan is not None and quant_plan.prequantized
-    if prequantized and tp.group.size > 1:
+    sharded = tp.group.size > 1
+    if prequantized and sharded:
         check_prequantized_split(checkpoint.hf_config, tp.group, mc.load_format)
     model = load_model(mc, checkpoint, config.device, dtype, quant_plan, tp.group)
-    if prequantized and tp.group.size > 1 and config.mm_encoder_tp_mode == "weights":
+    if prequantized and sharded and config.mm_encoder_tp_mode == "weights":
         check_vision_float(model)
     shard_model(model, tp.group, loads_sharded(checkpoint.hf_config, tp.group))
     split_encoder(model, tp.group, config.mm_encoder_tp_mode, dtype, torch.device(config.device))
-    if quant_plan is not None and not prequantized and tp.group.size > 1:
+    if quant_plan is not None and not prequantized and sharded:
         quantize_sharded(model, quant_plan, tp.group)
     set_kernel_backend(model, config.kernel_backend)
     attention_backend, vision_attention = config.attention_for_dtype(dtype)
