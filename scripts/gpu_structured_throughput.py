@@ -6,8 +6,9 @@ second of each and the ratio to the unconstrained run (each run warmed once).
 
 The benchmark model's tokenizer has one word `w<id>` per id, so the regex `(w7[0-9]*)+` allows the 11,111 words
 whose id starts with 7 (7.3% of the vocabulary; a letters-only regex would allow none of its words). The tiny test
-checkpoint has a real tokenizer and takes `[a-z]+`. Constrained rows set min_tokens to the length, so none ends on
-a stop token its grammar would accept.
+checkpoint has a real tokenizer and takes `[a-z]+`. Constrained rows set min_tokens to the length and keep EOS a
+stop token (no ignore_eos), so the min_tokens ban keeps EOS out of their masks: with ignore_eos EOS is not banned,
+the grammar (complete after any word) accepts it, and its end ends the request early.
 
     PYTHONPATH=. python scripts/gpu_structured_throughput.py                 # GPU
     PYTHONPATH=. python scripts/gpu_structured_throughput.py --tiny --batch 4 --max-tokens 32   # CPU smoke run
@@ -51,8 +52,7 @@ def main() -> None:
     prompts = [{"prompt_token_ids": list(range(100 + i, 164 + i))} for i in range(n)]
     plain = SamplingParams(temperature=0.0, max_tokens=t, ignore_eos=True)
     regex = StructuredOutputsParams(regex="[a-z]+" if args.tiny else "(w7[0-9]*)+")
-    constrained = SamplingParams(temperature=0.0, max_tokens=t, min_tokens=t, ignore_eos=True,
-                                 structured_outputs=regex)
+    constrained = SamplingParams(temperature=0.0, max_tokens=t, min_tokens=t, structured_outputs=regex)
     runs = {"unconstrained": [plain] * n, "all constrained": [constrained] * n,
             "half constrained": [constrained if i % 2 else plain for i in range(n)]}
     base = None

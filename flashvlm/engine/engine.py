@@ -285,6 +285,7 @@ class Engine:
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED, stop_reason=REJECTED_STOP_REASON)
         for rid in ended:
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+        self.structured.prepare(changed)  # the next masks fill while this step's outputs are made
 
     def run_worker_step(self, out: SchedulerOutput, forgotten: list[str]) -> None:
         """Ranks 1..N-1: rank 0's step on this rank's runner (its samples are rank 0's too, and are dropped)."""
@@ -298,6 +299,7 @@ class Engine:
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at size 1); the engine takes no steps after."""
         self.tp.close(graceful=True)
+        self.structured.close()
 
     def _step_record(self, out: SchedulerOutput, timings: StepTimings, t0: float, t_scheduled: float,
                      t_update: float) -> StepRecord:

@@ -1,8 +1,8 @@
 """The language model's part of a step: which execution path runs it, decided in one place, and running it.
 
 Paths, in the order they are tried:
-- lookahead: an all-greedy pure-decode batch within the decode graphs' ladder, through the greedy pipeline (the
-  next step is launched before this one is read; runner/lookahead.py);
+- lookahead: an all-greedy pure-decode batch within the decode graphs' ladder, no row asking for logprobs,
+  through the greedy pipeline (the next step is launched before this one is read; runner/lookahead.py);
 - decode graph: any other pure-decode batch of generated tokens within the ladder (runner/cuda_graph.py);
 - step graph: a prefill, cached-prefix or mixed step within the step graphs' buckets (runner/step_graphs.py);
 - eager: everything else, and every step of an engine without CUDA graphs.
@@ -31,7 +31,7 @@ from flashvlm.runner.inputs import (
     decode_step_inputs,
     general_step_inputs,
 )
-from flashvlm.runner.lookahead import GreedyDecodePipeline, pipeline_eligible
+from flashvlm.runner.lookahead import GreedyDecodePipeline, TokenSelector, pipeline_eligible
 from flashvlm.runner.pruned_tokens import KeptTokens
 from flashvlm.runner.step_graphs import StepGraphs, step_graph_max_tokens
 
@@ -128,9 +128,10 @@ class StepExecutor:
         return StepPlan(ExecutionPath.EAGER, batch, inputs)
 
     # ---- running a plan ------------------------------------------------------------------------
-    def lookahead(self, out: SchedulerOutput, plan: StepPlan) -> list[int]:
-        """A LOOKAHEAD plan's tokens, one per row (the pipeline reads them; no sampler)."""
-        return self.pipeline.step(out, plan.batch, waiting=out.may_admit)
+    def lookahead(self, out: SchedulerOutput, plan: StepPlan, select: TokenSelector) -> list[int]:
+        """A LOOKAHEAD plan's tokens, one per row (the pipeline reads them; `select` chooses them where a row is
+        not the plain argmax)."""
+        return self.pipeline.step(out, plan.batch, waiting=out.may_admit, select=select)
 
     def logits(self, out: SchedulerOutput, plan: StepPlan, encoder_outputs: dict[str, torch.Tensor],
                kept_tokens: KeptTokens) -> torch.Tensor:

@@ -21,7 +21,7 @@ from flashvlm.config import EngineConfig
 from flashvlm.engine.sched_output import SchedulerOutput
 from flashvlm.models.interfaces import VLModel
 from flashvlm.request import MMItem, Request, TokenLogprobs
-from flashvlm.runner.executor import ExecutionPath, StepExecutor
+from flashvlm.runner.executor import ExecutionPath, StepExecutor, StepPlan
 from flashvlm.runner.inputs import PositionStore
 from flashvlm.runner.kv_scales import CALIBRATION_TOKENS, calibration_amax, resolve_kv_scales
 from flashvlm.runner.logprobs import PendingLogprobs, gather_logprobs, read_back
@@ -172,7 +172,7 @@ class ModelRunner:
         # Started after the host built the inputs, so an idle GPU waiting on that host work is not counted busy.
         timer.start()
         if plan.path is ExecutionPath.LOOKAHEAD:
-            tokens = self.executor.lookahead(out, plan)
+            tokens = self.executor.lookahead(out, plan, lambda logits: self._greedy_tokens(out, plan, logits))
             timer.stop()  # brackets the lookahead launched here: on average one step's time
             forward_s = previous_timer.seconds() if previous_timer.finished() else self.last_timings.forward_s
             self.last_timings = StepTimings(forward_s=forward_s, num_images=len(encoded), prepare_s=prepare_s,
@@ -205,17 +205,28 @@ class ModelRunner:
             if req.request_id not in self.generators:
                 self.generators[req.request_id] = make_generator(req.sampling_params.seed, self.device)
 
+    def _sampler_inputs(self, out: SchedulerOutput, sample_ids: list[str]) -> SamplerInputs:
+        """The sampler's rows for `sample_ids`, with the constrained ones' grammar masks as they stand now."""
+        by_id = {s.request.request_id: s.request for s in out.scheduled}
+        reqs = [by_id[r] for r in sample_ids]
+        mask = self.structured.bitmask(reqs) if self.structured is not None and len(self.structured) else None
+        return SamplerInputs.for_requests(reqs, self.generators, mask)
+
     def _sample(self, out: SchedulerOutput, sample_ids: list[str],
                 logits: torch.Tensor) -> tuple[torch.Tensor, PendingLogprobs | None]:
         """The sampled tokens (on the device) and, for the rows that ask, their raw logits' log-probabilities."""
-        by_id = {s.request.request_id: s.request for s in out.scheduled}
-        reqs = [by_id[r] for r in sample_ids]
         if self.record_logits:
             for r, row in zip(sample_ids, logits):
                 self.recorded_logits.setdefault(r, []).append(row.float().cpu())
-        mask = self.structured.bitmask(reqs) if self.structured is not None and len(self.structured) else None
-        tokens = self.sampler(logits, SamplerInputs.for_requests(reqs, self.generators, mask))
-        return tokens, gather_logprobs(logits, tokens, sample_ids, [r.sampling_params for r in reqs])
+        rows = self._sampler_inputs(out, sample_ids)
+        tokens = self.sampler(logits, rows)
+        return tokens, gather_logprobs(logits, tokens, sample_ids, list(rows.params))
+
+    def _greedy_tokens(self, out: SchedulerOutput, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
+        """A lookahead step's tokens where some row is not the plain argmax: what the sampler picks for greedy
+        rows (its penalties and masks, then argmax)."""
+        rows = self._sampler_inputs(out, plan.sample_request_ids)
+        return self.sampler.apply_penalties(logits, rows).argmax(dim=-1)
 
     def release(self, out: SchedulerOutput) -> None:
         for h in out.free_encoder_hashes:

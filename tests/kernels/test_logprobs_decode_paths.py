@@ -52,9 +52,9 @@ def generate_beside_lookahead(path: str, prompts: list, params: list) -> tuple[l
     launched: list[list[str]] = []
     launch = pipeline._launch
 
-    def recording_launch(batch, input_ids):
+    def recording_launch(batch, input_ids, **kwargs):
         launched.append(list(batch.sample_request_ids))
-        return launch(batch, input_ids)
+        return launch(batch, input_ids, **kwargs)
 
     pipeline._launch = recording_launch
     return llm.generate(prompts, params), launched, pipeline

@@ -1,9 +1,10 @@
-"""Structured outputs on the decode-graph path, beside the greedy decode lookahead (float32, Triton attention).
+"""Structured outputs through the greedy decode lookahead (float32, Triton attention).
 
-A decode batch with a constrained row leaves the lookahead (whose argmax would ignore the mask) for the decode
-graph and the sampler; once no row is constrained, the lookahead resumes. Every row's tokens stay the eager
-path's. On CPU the decode graphs' bodies run eagerly on their buffers (Triton interpreter); on CUDA the engine's
-captured graphs and its own lookahead are used.
+A decode batch with a greedy constrained row stays on the lookahead: the step keeps the graph's logits and its
+tokens are picked (grammar mask, then argmax) when the engine reaches it; rows with a min_tokens ban or a
+repetition penalty go the same way beside it. Every row's tokens stay the eager path's. On CPU the decode graphs'
+bodies run eagerly on their buffers (Triton interpreter); on CUDA the engine's captured graphs and its own
+lookahead are used.
 """
 
 from __future__ import annotations
@@ -24,19 +25,21 @@ from tests.kernels.test_logprobs_decode_paths import IMG, OPTS, generate_beside_
 pytestmark = pytest.mark.slow  # engine runs through the Triton interpreter on CPU
 
 
-def test_constrained_rows_take_the_decode_graph_and_the_others_keep_their_tokens(tmp_path) -> None:
+def test_constrained_rows_take_the_lookahead_with_the_eager_paths_tokens(tmp_path) -> None:
     path = str(build_qwen2_vl(tmp_path / "m", seed=9))
     rng = np.random.default_rng(4)
     prompts = [{"prompt": IMG + "One.", "images": [rng.integers(0, 256, (56, 56, 3), np.uint8)]},
                {"prompt": "Two, text only, and longer."}, {"prompt": "Three."}]
-    constrained = SamplingParams(temperature=0.0, max_tokens=12,
-                                 structured_outputs=StructuredOutputsParams(regex="[a-z]{4}"))
-    plain = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
-    params = [constrained, plain, constrained]
+    # Long enough to outlast the prefill steps: the first decode step of all three is then launched ahead.
+    constrained = SamplingParams(temperature=0.0, max_tokens=30,
+                                 structured_outputs=StructuredOutputsParams(regex="[a-z]{24}"))
+    banned = SamplingParams(temperature=0.0, max_tokens=14, min_tokens=10, repetition_penalty=1.5)
+    params = [constrained, banned, constrained]
     expected = LLM(path, enforce_eager=True, **OPTS).generate(prompts, params)
 
     outs, launched, pipeline = generate_beside_lookahead(path, prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
-    assert re.fullmatch("[a-z]{4}", outs[0].text) and re.fullmatch("[a-z]{4}", outs[2].text)
-    constrained_ids = {outs[0].request_id, outs[2].request_id}
-    assert launched and all(not constrained_ids & set(ids) for ids in launched) and pipeline.num_lookaheads > 0
+    assert re.fullmatch("[a-z]{24}", outs[0].text) and re.fullmatch("[a-z]{24}", outs[2].text)
+    # Steps holding the constrained rows were launched ahead, and the lookahead kept them.
+    assert any({outs[0].request_id, outs[2].request_id} <= set(ids) for ids in launched)
+    assert pipeline.num_lookaheads > pipeline.num_dropped

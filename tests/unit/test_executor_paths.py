@@ -108,15 +108,18 @@ def test_a_row_asking_for_logprobs_takes_the_decode_graph_not_the_lookahead() ->
     assert plan.path is ExecutionPath.DECODE_GRAPH and plan.batch.num_seqs == 2 and pipeline.drops == 1
 
 
-def test_a_constrained_row_takes_the_decode_graph_not_the_lookahead() -> None:
-    # Structured outputs mask the logits in the sampler; the lookahead's argmax would ignore the mask. The whole
-    # step takes the decode graph (its other rows' tokens are the same argmax), and the next all-plain step
-    # returns to the lookahead.
+def test_greedy_rows_with_a_logits_processor_keep_the_lookahead() -> None:
+    # A structured-output mask, the min_tokens ban and a repetition penalty are applied to the graph's logits when
+    # the pipeline reaches the step (runner/lookahead.py); only sampling and logprobs leave the lookahead.
     from flashvlm.structured.params import StructuredOutputsParams
 
     ex, pipeline = _executor()
-    out, positions = _step(2)
-    out.scheduled[0].request.sampling_params.structured_outputs = StructuredOutputsParams(regex="[a-z]+")
+    out, positions = _step(3)
+    params = [s.request.sampling_params for s in out.scheduled]
+    params[0].structured_outputs = StructuredOutputsParams(regex="[a-z]+")
+    params[1].min_tokens = 4
+    params[2].repetition_penalty = 1.3
     plan = ex.plan(out, positions)
-    assert plan.path is ExecutionPath.DECODE_GRAPH and plan.batch.num_seqs == 2 and pipeline.drops == 1
-    assert ex.plan(*_step(2)).path is ExecutionPath.LOOKAHEAD
+    assert plan.path is ExecutionPath.LOOKAHEAD and plan.batch.num_seqs == 3 and pipeline.drops == 0
+    out, positions = _step(2, temperature=0.7)
+    assert ex.plan(out, positions).path is ExecutionPath.DECODE_GRAPH and pipeline.drops == 1

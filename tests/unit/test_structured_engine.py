@@ -184,6 +184,34 @@ def test_bitmask_covers_only_constrained_rows(tokenizer, manager: StructuredOutp
         manager.drop(r.request_id)
 
 
+def test_masks_filled_ahead_equal_masks_filled_at_the_step(tokenizer, manager: StructuredOutputs) -> None:
+    # prepare() fills on the mask thread; the step's bitmask takes those rows when they are for the tokens the
+    # request has now, in the step's order, and fills at once the rows it lacks (a request prepare did not see,
+    # or one whose tokens moved on). Each must equal a fill made at the step itself.
+    eos = tokenizer.eos_token_id
+    a, b, c = (_request(r, Constraint(regex=rx), eos) for r, rx in (("a", "[0-9]+x"), ("b", "abcabc"), ("c", "[a-z]+")))
+    for r in (a, b, c):
+        manager.add(r)
+    a.output_token_ids.append(tokenizer.encode("7", add_special_tokens=False)[0])
+    b.output_token_ids.extend(tokenizer.encode("ab", add_special_tokens=False))
+    manager.advance([a, b])
+    manager.prepare([b, a])
+    ahead = manager.bitmask([c, a, b])  # step order differs from prepare's; c was not prepared
+    fresh = StructuredOutputs(tokenizer, VOCAB, (eos,))
+    for r in (a, b, c):
+        fresh.add(r)
+        fresh.advance([r])
+    assert ahead.rows == [0, 1, 2] and torch.equal(ahead.bitmask, fresh.bitmask([c, a, b]).bitmask)
+    manager.prepare([a, b])
+    a.output_token_ids.append(tokenizer.encode("x", add_special_tokens=False)[0])
+    manager.advance([a])  # waits for the fill; its row for a is now stale
+    assert torch.equal(manager.bitmask([a, b]).bitmask, (fresh.advance([a]), fresh.bitmask([a, b]))[1].bitmask)
+    assert _allowed(manager.bitmask([a]).bitmask) == {eos}
+    for r in (a, b, c):
+        manager.drop(r.request_id)
+    fresh.close()
+
+
 @pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 3], [0]])
 def test_device_mask_matches_xgrammar_reference(rows: list[int]) -> None:
     g = torch.Generator().manual_seed(len(rows))
