@@ -13,61 +13,50 @@ from flashvlm.testing.tiny_checkpoints import QWEN_CHAT_TEMPLATE, qwen_preproces
 from flashvlm.testing.tiny_fuyu import fuyu_preprocessor_config
 from flashvlm.testing.tiny_qwen3 import QWEN3_CHAT_TEMPLATE, qwen3_preprocessor_config
 
-QWEN2_VL_7B = {
-    "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "dtype": "bfloat16",
-    "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
-    "vision_end_token_id": 151653, "tie_word_embeddings": False,
-    "text_config": {
-        "model_type": "qwen2_vl_text", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
-        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
-        "bos_token_id": 151643, "eos_token_id": 151645, "dtype": "bfloat16",
-    },
-    "vision_config": {
-        "model_type": "qwen2_vl_vision", "depth": 32, "embed_dim": 1280, "hidden_size": 3584, "num_heads": 16,
-        "mlp_ratio": 4, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
-        "hidden_act": "quick_gelu", "in_channels": 3,
-    },
+
+def _qwen_config(architecture: str, model_type: str, text: dict, vision: dict) -> dict:
+    """A Qwen-VL config.json as the hub has it: the special token ids, text fields and vision fields the three
+    real checkpoints below share, around each one's own."""
+    return {
+        "architectures": [architecture], "model_type": model_type, "dtype": "bfloat16",
+        "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+        "vision_end_token_id": 151653, "tie_word_embeddings": False,
+        "text_config": {**text, "rms_norm_eps": 1e-6, "hidden_act": "silu", "bos_token_id": 151643,
+                        "eos_token_id": 151645, "dtype": "bfloat16"},
+        "vision_config": {**vision, "num_heads": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                          "in_channels": 3},
+    }
+
+
+# Qwen2-VL-7B and Qwen2.5-VL-7B have text models of one shape; only their context length differs.
+_QWEN2_7B_TEXT = {
+    "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+    "num_attention_heads": 28, "num_key_value_heads": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
 }
-QWEN2_5_VL_7B = {
-    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "dtype": "bfloat16",
-    "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
-    "vision_end_token_id": 151653, "tie_word_embeddings": False,
-    "text_config": {
-        "model_type": "qwen2_5_vl_text", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
-        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-        "max_position_embeddings": 128000, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
-        "bos_token_id": 151643, "eos_token_id": 151645, "dtype": "bfloat16",
-    },
-    "vision_config": {
-        "model_type": "qwen2_5_vl", "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
-        "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
-        "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu", "in_channels": 3,
-        "tokens_per_second": 2,
-    },
-}
+QWEN2_VL_7B = _qwen_config(
+    "Qwen2VLForConditionalGeneration", "qwen2_vl",
+    {"model_type": "qwen2_vl_text", **_QWEN2_7B_TEXT, "max_position_embeddings": 32768},
+    {"model_type": "qwen2_vl_vision", "depth": 32, "embed_dim": 1280, "hidden_size": 3584, "mlp_ratio": 4,
+     "patch_size": 14, "hidden_act": "quick_gelu"})
+QWEN2_5_VL_7B = _qwen_config(
+    "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl",
+    {"model_type": "qwen2_5_vl_text", **_QWEN2_7B_TEXT, "max_position_embeddings": 128000},
+    {"model_type": "qwen2_5_vl", "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "out_hidden_size": 3584,
+     "patch_size": 14, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu",
+     "tokens_per_second": 2})
 # Qwen/Qwen3-VL-8B-Instruct's config.json as the hub has it (rope_scaling and rope_theta, the vision config's
 # model_type "qwen3_vl"), so loading it exercises the layout users download.
-QWEN3_VL_8B = {
-    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", "dtype": "bfloat16",
-    "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
-    "vision_end_token_id": 151653, "tie_word_embeddings": False,
-    "text_config": {
-        "model_type": "qwen3_vl_text", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
-        "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-        "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False,
-        "rope_scaling": {"rope_type": "default", "mrope_interleaved": True, "mrope_section": [24, 20, 20]},
-        "rope_theta": 5000000, "bos_token_id": 151643, "eos_token_id": 151645, "dtype": "bfloat16",
-    },
-    "vision_config": {
-        "model_type": "qwen3_vl", "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
-        "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-        "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24], "hidden_act": "gelu_pytorch_tanh",
-        "in_channels": 3,
-    },
-}
+QWEN3_VL_8B = _qwen_config(
+    "Qwen3VLForConditionalGeneration", "qwen3_vl",
+    {"model_type": "qwen3_vl_text", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+     "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+     "max_position_embeddings": 262144, "attention_bias": False,
+     "rope_scaling": {"rope_type": "default", "mrope_interleaved": True, "mrope_section": [24, 20, 20]},
+     "rope_theta": 5000000},
+    {"model_type": "qwen3_vl", "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "out_hidden_size": 4096,
+     "patch_size": 16, "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24],
+     "hidden_act": "gelu_pytorch_tanh"})
 QWEN_SPECIAL_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
                     "<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|image_pad|>": 151655,
                     "<|video_pad|>": 151656}

@@ -18,17 +18,17 @@ from flashvlm.distributed.group import TPGroup
 from flashvlm.distributed.layers import PlainRowParallelLinear, RowParallelLinear
 from flashvlm.distributed.shard import column_slice, intermediate_rows, shard_gated_mlp
 from flashvlm.layers.linear import Linear, MergedLinear, PlainLinear
-from flashvlm.layers.mlp import GatedMLP
+from flashvlm.layers.mlp import GatedMLP, PlainMLP
 from flashvlm.models.llava import LlavaMultiModalProjector
-from flashvlm.models.vision.clip import CLIPMLP, CLIPAttention
-from flashvlm.models.vision.qwen3_vit import Qwen3PatchMerger, Qwen3VisionMLP
-from flashvlm.models.vision.qwen_vit import PatchMerger, Qwen2VisionMLP, VisionAttention
+from flashvlm.models.vision.clip import CLIPAttention
+from flashvlm.models.vision.qwen3_vit import Qwen3PatchMerger
+from flashvlm.models.vision.qwen_vit import PatchMerger, VisionAttention
 
 _TWO_LAYER_MLPS: dict[type, tuple[str, str]] = {
-    Qwen2VisionMLP: ("fc1", "fc2"), CLIPMLP: ("fc1", "fc2"), Qwen3VisionMLP: ("linear_fc1", "linear_fc2"),
     Qwen3PatchMerger: ("linear_fc1", "linear_fc2"), LlavaMultiModalProjector: ("linear_1", "linear_2"),
 }
-"""MLP module -> (its first projection, split by output rows; its second, split by input columns)."""
+"""MLP module -> (its first projection, split by output rows; its second, split by input columns); a PlainMLP
+names its own."""
 
 _NOT_VISION = ("language_model", "lm_head")
 
@@ -106,6 +106,8 @@ def shard_vision(model: nn.Module, group: TPGroup) -> None:
                 sharded += 1
             elif isinstance(module, GatedMLP):
                 shard_gated_mlp(module, group)
+            elif isinstance(module, PlainMLP):
+                _shard_two_layer_mlp(module, module.names, group)
             elif isinstance(module, PatchMerger):
                 _shard_two_layer_mlp(module.mlp, ("0", "2"), group)
             elif type(module) in _TWO_LAYER_MLPS:

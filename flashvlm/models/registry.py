@@ -37,8 +37,9 @@ class UnsupportedModelError(ValueError):
 
 
 class ModelFamily:
-    """One model family. Subclasses set the names and implement the methods; heavy imports (the model, torch,
-    transformers) stay inside the methods."""
+    """One model family. An instance names its parts (the constructor's arguments; modules as import paths, each
+    imported on first use) and subclasses implement the methods; heavy imports (the model, torch, transformers)
+    stay inside the methods."""
 
     architecture: str
     """The `config.architectures` entry of its checkpoints (also the transformers class name)."""
@@ -46,15 +47,28 @@ class ModelFamily:
     """`config.model_type` of its checkpoints."""
     image_placeholder: str
     """The text a raw (untemplated) prompt writes for one image, as the benchmark's workloads do."""
-    video_placeholder: str | None = None
+    video_placeholder: str | None
     """The same for one video; None: the family takes no video input."""
+    model_module: str
+    """The module defining the model class, which is named `architecture` as in transformers."""
+    image_processor_ref: str
+    """"module:object" of the image processor class, built with its `from_config`."""
+    tiny_checkpoint_ref: str
+    """"module:object" of the tiny checkpoint builder, called with the folder and keywords."""
+
+    def __init__(self, architecture: str, model_type: str, image_placeholder: str, *, model_module: str,
+                 image_processor: str, tiny_checkpoint: str, video_placeholder: str | None = None) -> None:
+        self.architecture, self.model_type = architecture, model_type
+        self.image_placeholder, self.video_placeholder = image_placeholder, video_placeholder
+        self.model_module, self.image_processor_ref, self.tiny_checkpoint_ref = (model_module, image_processor,
+                                                                                 tiny_checkpoint)
 
     def model_class(self) -> type[VLModel]:
-        raise NotImplementedError
+        return import_ref(f"{self.model_module}:{self.architecture}")
 
     def image_processor(self, preprocessor_config: Mapping[str, Any]) -> Any:
         """The image processor built from a preprocessor_config.json dict; a bad config raises ValueError."""
-        raise NotImplementedError
+        return import_ref(self.image_processor_ref).from_config(preprocessor_config)
 
     def image_inputs(self, checkpoint: Checkpoint) -> ImageInputs:
         """The image part of `InputProcessor` for this checkpoint."""
@@ -80,12 +94,21 @@ class ModelFamily:
     def baseline_image_inputs(self, items: list[MMItem], input_ids: torch.Tensor, attention_mask: torch.Tensor,
                               image_token_id: int, device: str) -> dict[str, torch.Tensor]:
         """The image arguments of the transformers model's `generate` for a batch's items (pixels in float32; the
-        baseline casts every floating tensor)."""
-        raise NotImplementedError
+        baseline casts every floating tensor). By default pixel_values, the items' (channels, height, width) images
+        stacked, as transformers' models of one fixed image size take them."""
+        import torch
+
+        return {"pixel_values": torch.stack([it.model_pixels(device) for it in items])}
 
     def build_tiny_checkpoint(self, path: str | Path, **kwargs: Any) -> Path:
         """A tiny checkpoint folder with seeded random weights, written through transformers (tests, the demo)."""
-        raise NotImplementedError
+        return import_ref(self.tiny_checkpoint_ref)(path, **kwargs)
+
+
+def import_ref(ref: str) -> Any:
+    """The object a "module:object" reference names, its module imported now."""
+    module_name, attr = ref.split(":")
+    return getattr(importlib.import_module(module_name), attr)
 
 
 def supported_architectures() -> list[str]:
@@ -94,8 +117,7 @@ def supported_architectures() -> list[str]:
 
 @functools.cache
 def _load(architecture: str) -> ModelFamily:
-    module_name, attr = _FAMILIES[architecture].split(":")
-    return getattr(importlib.import_module(module_name), attr)
+    return import_ref(_FAMILIES[architecture])
 
 
 def resolve_family(architectures: list[str] | None) -> ModelFamily:

@@ -23,7 +23,10 @@ POST /v1/chat/completions (text and image_url parts), POST /v1/completions, GET 
 Without --model the embedded demo model (docs/demo.md) is served. See docs/server.md."""
 
 
-_CONNECTION_FLAGS: tuple[tuple[str, type, float, str, str], ...] = (
+_FlagRows = tuple[tuple[str, type, float, str | None, str], ...]
+"""(flag, type, default, metavar or None for the flag's own name, help before the default) a row."""
+
+_CONNECTION_FLAGS: _FlagRows = (
     ("--shutdown-timeout", float, limits.DEFAULT_SHUTDOWN_TIMEOUT_S, "SECONDS",
      "on SIGTERM or SIGINT stop accepting, let running requests finish for up to this many seconds, abort the "
      "rest and exit 0; 0 aborts at once"),
@@ -36,6 +39,24 @@ _CONNECTION_FLAGS: tuple[tuple[str, type, float, str, str], ...] = (
      "request-body bytes held across all requests, from the first byte read until the request is answered; a "
      "request past it gets 503 with Retry-After"),
 )
+
+_MEDIA_LIMIT_FLAGS: _FlagRows = (
+    ("--max-image-bytes", int, limits.DEFAULT_MAX_IMAGE_BYTES, None, "largest encoded image accepted, in bytes"),
+    ("--max-image-pixels", int, limits.DEFAULT_MAX_IMAGE_PIXELS, None,
+     "largest image accepted, in width x height pixels, read from the header"),
+    ("--max-video-bytes", int, limits.DEFAULT_MAX_VIDEO_BYTES, None,
+     "largest encoded video accepted (a video_url data URI or local file), in bytes"),
+    ("--remote-image-timeout", float, 10.0, None, "seconds to fetch one remote image"),
+    ("--max-request-image-pixels", int, limits.DEFAULT_MAX_REQUEST_PIXELS, None,
+     "most pixels (width x height, from the headers) over all images of one request, checked before any is decoded"),
+    ("--max-request-decode-seconds", float, limits.DEFAULT_MAX_REQUEST_DECODE_S, None,
+     "most worker seconds decoding and resizing the images of one request, summed; checked as each image is done"),
+)
+
+
+def _add_flags(group: argparse._ArgumentGroup, flags: _FlagRows) -> None:
+    for flag, kind, default, metavar, text in flags:
+        group.add_argument(flag, type=kind, default=default, metavar=metavar, help=f"{text} (default: %(default)s)")
 
 
 def build_parser(sub: argparse._SubParsersAction) -> None:
@@ -65,8 +86,7 @@ def build_parser(sub: argparse._SubParsersAction) -> None:
                    help="threads for chat templating and tokenization, off the event loop; images have their own "
                         "(--image-decode-threads) (default: %(default)s)")
     c = p.add_argument_group("connections and shutdown")
-    for flag, kind, default, metavar, text in _CONNECTION_FLAGS:
-        c.add_argument(flag, type=kind, default=default, metavar=metavar, help=f"{text} (default: %(default)s)")
+    _add_flags(c, _CONNECTION_FLAGS)
     m = p.add_argument_group("images and videos")
     m.add_argument("--limit-mm-per-prompt", default=f"image={limits.DEFAULT_LIMIT_IMAGES}", metavar="SPEC",
                    help="most images per prompt: image=4 or '{\"image\": 4}' (default: %(default)s)")
@@ -74,22 +94,7 @@ def build_parser(sub: argparse._SubParsersAction) -> None:
                    help="let image_url name local files under DIR (path or file:// URL); refused without it")
     m.add_argument("--allow-remote-images", action="store_true",
                    help="fetch http(s) image URLs (off by default: the server would make requests for clients)")
-    m.add_argument("--max-image-bytes", type=int, default=limits.DEFAULT_MAX_IMAGE_BYTES,
-                   help="largest encoded image accepted, in bytes (default: %(default)s)")
-    m.add_argument("--max-image-pixels", type=int, default=limits.DEFAULT_MAX_IMAGE_PIXELS,
-                   help="largest image accepted, in width x height pixels, read from the header "
-                        "(default: %(default)s)")
-    m.add_argument("--max-video-bytes", type=int, default=limits.DEFAULT_MAX_VIDEO_BYTES,
-                   help="largest encoded video accepted (a video_url data URI or local file), in bytes "
-                        "(default: %(default)s)")
-    m.add_argument("--remote-image-timeout", type=float, default=10.0,
-                   help="seconds to fetch one remote image (default: %(default)s)")
-    m.add_argument("--max-request-image-pixels", type=int, default=limits.DEFAULT_MAX_REQUEST_PIXELS,
-                   help="most pixels (width x height, from the headers) over all images of one request, checked "
-                        "before any is decoded (default: %(default)s)")
-    m.add_argument("--max-request-decode-seconds", type=float, default=limits.DEFAULT_MAX_REQUEST_DECODE_S,
-                   help="most worker seconds decoding and resizing the images of one request, summed; checked as "
-                        "each image is done (default: %(default)s)")
+    _add_flags(m, _MEDIA_LIMIT_FLAGS)
     m.add_argument("--image-decode-threads", type=int, default=None, metavar="N",
                    help="threads that load, decode and resize images, shared by all requests (default: half the "
                         "CPUs this process may use, 1 to 32)")

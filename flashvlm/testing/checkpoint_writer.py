@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,10 +22,6 @@ _CORPUS = [
     "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2026.", "yes no maybe left right top bottom above below",
     "Unicode text: café, naïve, 東京, 😀 emoji.", "USER: ASSISTANT: system user assistant",
 ]
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
-
-
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
@@ -69,6 +66,18 @@ def save_checkpoint(model, tokenizer, path: Path, preprocessor: dict, shard_size
     tokenizer.save_pretrained(path)
     (path / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=1))
     return path
+
+
+def seeded_model(model_cls: type, cfg: Any, seed: int, dtype: torch.dtype, **generation: Any) -> torch.nn.Module:
+    """`model_cls(cfg)` in `dtype` and eval mode, with `randomize`'s weights of this seed and the generation config
+    of these keywords (the token ids the real checkpoints' generation_config.json carries)."""
+    from transformers import GenerationConfig
+
+    torch.manual_seed(seed)
+    model = model_cls(cfg).to(dtype).eval()
+    randomize(model, seed)
+    model.generation_config = GenerationConfig(**generation)
+    return model
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from flashvlm.testing.checkpoint_writer import _CORPUS, randomize, save_checkpoint
+from flashvlm.testing.checkpoint_writer import _CORPUS, save_checkpoint, seeded_model
 
 FUYU_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 FUYU_PIECES = ["|SPEAKER|", "|NEWLINE|", "<0x04>"]
@@ -69,7 +69,7 @@ def build_fuyu(path: str | Path, *, seed: int = 0, hidden: int = 64, layers: int
                dtype: torch.dtype = torch.float32) -> Path:
     """A tiny Fuyu checkpoint (30x30 patches, Persimmon decoder with QK-norm and half-rotary heads); the canvas
     is small so that the tests' larger images are shrunk. legacy_layout: tensors named as adept/fuyu-8b names them."""
-    from transformers import FuyuConfig, FuyuForCausalLM, GenerationConfig, PersimmonConfig
+    from transformers import FuyuConfig, FuyuForCausalLM, PersimmonConfig
 
     tokenizer = build_fuyu_tokenizer()
     vocab = tokenizer.get_vocab()
@@ -83,10 +83,7 @@ def build_fuyu(path: str | Path, *, seed: int = 0, hidden: int = 64, layers: int
     top = {k: v for k, v in text.items() if k in getattr(FuyuConfig, "__dataclass_fields__", {})}
     cfg = FuyuConfig(text_config=PersimmonConfig(**text), image_token_id=ids["|SPEAKER|"], patch_size=30,
                      num_channels=3, **top)
-    torch.manual_seed(seed)
-    model = FuyuForCausalLM(cfg).to(dtype).eval()
-    randomize(model, seed)
-    model.generation_config = GenerationConfig(eos_token_id=ids["</s>"], bos_token_id=ids["<s>"])
+    model = seeded_model(FuyuForCausalLM, cfg, seed, dtype, eos_token_id=ids["</s>"], bos_token_id=ids["<s>"])
     path = save_checkpoint(model, tokenizer, Path(path), fuyu_preprocessor_config(canvas_hw), shard_size,
                            single_file=_legacy_fuyu_layout if legacy_layout else None)
     # Top-level copies of the text fields, as adept/fuyu-8b's config.json has them: transformers 5.17 sizes the

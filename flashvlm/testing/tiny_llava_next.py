@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from flashvlm.testing.checkpoint_writer import CLIP_MEAN, CLIP_STD, build_tokenizer, randomize, save_checkpoint
-from flashvlm.testing.tiny_llava import LLAVA_SPECIAL_TOKENS
+from flashvlm.testing.checkpoint_writer import save_checkpoint
+from flashvlm.testing.tiny_llava import clip_preprocessor_config, llava_fields, llava_model, llava_tokenizer
 
 LLAVA_NEXT_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'user' %}[INST] "
@@ -46,37 +46,14 @@ def build_llava_next(path: str | Path, *, seed: int = 0, hidden: int = 64, layer
                      legacy_layout: bool = False) -> Path:
     """A tiny llava-hf style LLaVA-NeXT checkpoint (CLIP ViT tiles + GELU projector + image_newline + Mistral).
     legacy_layout: one safetensors file with the hub checkpoints' tensor names instead of save_pretrained's."""
-    from transformers import (
-        CLIPVisionConfig,
-        GenerationConfig,
-        LlavaNextConfig,
-        LlavaNextForConditionalGeneration,
-        MistralConfig,
-    )
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, MistralConfig
 
-    tokenizer = build_tokenizer(LLAVA_SPECIAL_TOKENS, 480, LLAVA_NEXT_CHAT_TEMPLATE, eos="</s>", bos="<s>",
-                                pad="<pad>", add_bos=True)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in LLAVA_SPECIAL_TOKENS}
-    text = MistralConfig(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         rms_norm_eps=1e-5, sliding_window=None, rope_theta=1e6, bos_token_id=ids["<s>"],
-                         eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"])
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-                              image_size=tile, patch_size=14, projection_dim=32, hidden_act="quick_gelu")
+    tokenizer, ids = llava_tokenizer(LLAVA_NEXT_CHAT_TEMPLATE, add_bos=True)
     pinpoints = tiny_pinpoints(tile)
-    cfg = LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=ids["<image>"],
-                          image_grid_pinpoints=pinpoints, image_seq_length=(tile // 14) ** 2,
-                          vision_feature_layer=-2, vision_feature_select_strategy="default",
-                          projector_hidden_act="gelu")
-    torch.manual_seed(seed)
-    model = LlavaNextForConditionalGeneration(cfg).to(dtype).eval()
-    randomize(model, seed)
-    model.generation_config = GenerationConfig(eos_token_id=ids["</s>"], bos_token_id=ids["<s>"],
-                                               pad_token_id=ids["<pad>"])
-    preprocessor = {"image_processor_type": "LlavaNextImageProcessor", "processor_class": "LlavaNextProcessor",
-                    "do_resize": True, "size": {"shortest_edge": tile}, "resample": 3, "do_center_crop": True,
-                    "crop_size": {"height": tile, "width": tile}, "do_rescale": True, "rescale_factor": 1 / 255,
-                    "do_normalize": True, "image_mean": CLIP_MEAN, "image_std": CLIP_STD, "do_convert_rgb": True,
+    cfg = LlavaNextConfig(**llava_fields(MistralConfig, hidden, layers, tile, ids, sliding_window=None, rope_theta=1e6),
+                          image_grid_pinpoints=pinpoints)
+    model = llava_model(LlavaNextForConditionalGeneration, cfg, ids, seed, dtype)
+    preprocessor = {**clip_preprocessor_config(tile, "LlavaNextImageProcessor", "LlavaNextProcessor"),
                     "do_pad": True, "image_grid_pinpoints": pinpoints}
     return save_checkpoint(model, tokenizer, Path(path), preprocessor, shard_size,
                            _legacy_layout if legacy_layout else None)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from flashvlm.testing.checkpoint_writer import CLIP_MEAN, CLIP_STD, build_tokenizer, randomize, save_checkpoint
+from flashvlm.testing.checkpoint_writer import CLIP_MEAN, CLIP_STD, build_tokenizer, save_checkpoint, seeded_model
 
 QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                        "<|image_pad|>", "<|video_pad|>"]
@@ -92,17 +92,11 @@ def qwen_model(cfg_cls: type, model_cls: type, text: dict, vision: dict, ids: di
                tie_word_embeddings: bool, seed: int, dtype: torch.dtype):
     """A Qwen-VL transformers model of these text and vision configs, the special tokens' ids set, with seeded
     random weights everywhere and the generation config the real checkpoints carry."""
-    from transformers import GenerationConfig
-
     cfg = cfg_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                   video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                   vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=tie_word_embeddings)
-    torch.manual_seed(seed)
-    model = model_cls(cfg).to(dtype).eval()
-    randomize(model, seed)
-    model.generation_config = GenerationConfig(eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
-                                               pad_token_id=ids["<|endoftext|>"])
-    return model
+    return seeded_model(model_cls, cfg, seed, dtype, eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+                        pad_token_id=ids["<|endoftext|>"])
 
 
 def _mrope_section(head_dim: int) -> list[int]:

@@ -172,11 +172,11 @@ def _tokenizer():
 
 def _requests() -> list[BenchRequest]:
     from flashvlm.bench.workloads import WorkloadSpec, generate_workload
-    from flashvlm.models.families.qwen2_vl import QwenVLFamily
+    from flashvlm.models.families.qwen2_vl import QWEN2_VL
 
     spec = WorkloadSpec(num_requests=3, image_sizes=[(84, 112), (56, 140)], images_per_request=(1, 2),
                         text_tokens=(4, 9), output_tokens=(3, 5), repeated_image_ratio=0.3, seed=3)
-    return generate_workload(spec, QwenVLFamily.image_placeholder)
+    return generate_workload(spec, QWEN2_VL.image_placeholder)
 
 
 def test_a_python_without_vllm_gets_a_clear_error(tmp_path, monkeypatch) -> None:

@@ -5,36 +5,19 @@ the load check below, `testing/tiny_fuyu.py`."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from flashvlm.models.registry import ModelFamily
 
 if TYPE_CHECKING:
     import torch
 
-    from flashvlm.models.interfaces import VLModel
     from flashvlm.models.loader import Checkpoint
-    from flashvlm.processing.fuyu_image import FuyuImageInputs, FuyuImageProcessor
+    from flashvlm.processing.fuyu_image import FuyuImageInputs
     from flashvlm.request import MMItem
 
 
 class FuyuFamily(ModelFamily):
-    architecture = "FuyuForCausalLM"
-    model_type = "fuyu"
-    image_placeholder = "|SPEAKER|"
-
-    def model_class(self) -> type[VLModel]:
-        from flashvlm.models.fuyu import FuyuForCausalLM
-
-        return FuyuForCausalLM
-
-    def image_processor(self, preprocessor_config: Mapping[str, Any]) -> FuyuImageProcessor:
-        from flashvlm.processing.fuyu_image import FuyuImageProcessor
-
-        return FuyuImageProcessor.from_config(preprocessor_config)
-
     def image_inputs(self, checkpoint: Checkpoint) -> FuyuImageInputs:
         from flashvlm.models.fuyu import NEWLINE_ID_ATTR
         from flashvlm.processing.fuyu_image import FuyuImageInputs
@@ -79,10 +62,7 @@ class FuyuFamily(ModelFamily):
         # FuyuModel scatters the projected patches over the |SPEAKER| positions in (batch, position) order.
         return {"image_patches": torch.cat([it.model_pixels(device) for it in items])}
 
-    def build_tiny_checkpoint(self, path: str | Path, **kwargs: Any) -> Path:
-        from flashvlm.testing.tiny_fuyu import build_fuyu
 
-        return build_fuyu(path, **kwargs)
-
-
-FUYU = FuyuFamily()
+FUYU = FuyuFamily("FuyuForCausalLM", "fuyu", "|SPEAKER|", model_module="flashvlm.models.fuyu",
+                  image_processor="flashvlm.processing.fuyu_image:FuyuImageProcessor",
+                  tiny_checkpoint="flashvlm.testing.tiny_fuyu:build_fuyu")

@@ -4,36 +4,17 @@ crop; a fixed token count, no item layout), the load check below, `testing/tiny_
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from flashvlm.models.registry import ModelFamily
 
 if TYPE_CHECKING:
-    import torch
-
-    from flashvlm.models.interfaces import VLModel
     from flashvlm.models.loader import Checkpoint
-    from flashvlm.processing.clip_image import ClipImageInputs, ClipImageProcessor
+    from flashvlm.processing.clip_image import ClipImageInputs
     from flashvlm.request import MMItem
 
 
 class LlavaFamily(ModelFamily):
-    architecture = "LlavaForConditionalGeneration"
-    model_type = "llava"
-    image_placeholder = "<image>\n"
-
-    def model_class(self) -> type[VLModel]:
-        from flashvlm.models.llava import LlavaForConditionalGeneration
-
-        return LlavaForConditionalGeneration
-
-    def image_processor(self, preprocessor_config: Mapping[str, Any]) -> ClipImageProcessor:
-        from flashvlm.processing.clip_image import ClipImageProcessor
-
-        return ClipImageProcessor.from_config(preprocessor_config)
-
     def image_inputs(self, checkpoint: Checkpoint) -> ClipImageInputs:
         from flashvlm.processing.clip_image import ClipImageInputs
 
@@ -64,16 +45,7 @@ class LlavaFamily(ModelFamily):
     def vision_patches(self, item: MMItem) -> int:
         return item.encoder_tokens + 1  # with the CLS token the tower runs
 
-    def baseline_image_inputs(self, items: list[MMItem], input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                              image_token_id: int, device: str) -> dict[str, torch.Tensor]:
-        import torch
 
-        return {"pixel_values": torch.stack([it.model_pixels(device) for it in items])}
-
-    def build_tiny_checkpoint(self, path: str | Path, **kwargs: Any) -> Path:
-        from flashvlm.testing.tiny_llava import build_llava
-
-        return build_llava(path, **kwargs)
-
-
-LLAVA = LlavaFamily()
+LLAVA = LlavaFamily("LlavaForConditionalGeneration", "llava", "<image>\n", model_module="flashvlm.models.llava",
+                    image_processor="flashvlm.processing.clip_image:ClipImageProcessor",
+                    tiny_checkpoint="flashvlm.testing.tiny_llava:build_llava")

@@ -6,36 +6,19 @@ visual-token pruning refuses it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from flashvlm.models.registry import ModelFamily
 
 if TYPE_CHECKING:
     import torch
 
-    from flashvlm.models.interfaces import VLModel
     from flashvlm.models.loader import Checkpoint
-    from flashvlm.processing.llava_next_image import LlavaNextImageInputs, LlavaNextImageProcessor
+    from flashvlm.processing.llava_next_image import LlavaNextImageInputs
     from flashvlm.request import MMItem
 
 
 class LlavaNextFamily(ModelFamily):
-    architecture = "LlavaNextForConditionalGeneration"
-    model_type = "llava_next"
-    image_placeholder = "<image>\n"
-
-    def model_class(self) -> type[VLModel]:
-        from flashvlm.models.llava_next import LlavaNextForConditionalGeneration
-
-        return LlavaNextForConditionalGeneration
-
-    def image_processor(self, preprocessor_config: Mapping[str, Any]) -> LlavaNextImageProcessor:
-        from flashvlm.processing.llava_next_image import LlavaNextImageProcessor
-
-        return LlavaNextImageProcessor.from_config(preprocessor_config)
-
     def image_inputs(self, checkpoint: Checkpoint) -> LlavaNextImageInputs:
         from flashvlm.processing.llava_next_image import LlavaNextImageInputs
 
@@ -86,10 +69,8 @@ class LlavaNextFamily(ModelFamily):
         sizes = torch.tensor([[it.image_size[1], it.image_size[0]] for it in items], device=device)
         return {"pixel_values": batch, "image_sizes": sizes}
 
-    def build_tiny_checkpoint(self, path: str | Path, **kwargs: Any) -> Path:
-        from flashvlm.testing.tiny_llava_next import build_llava_next
 
-        return build_llava_next(path, **kwargs)
-
-
-LLAVA_NEXT = LlavaNextFamily()
+LLAVA_NEXT = LlavaNextFamily("LlavaNextForConditionalGeneration", "llava_next", "<image>\n",
+                             model_module="flashvlm.models.llava_next",
+                             image_processor="flashvlm.processing.llava_next_image:LlavaNextImageProcessor",
+                             tiny_checkpoint="flashvlm.testing.tiny_llava_next:build_llava_next")

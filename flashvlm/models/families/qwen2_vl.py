@@ -5,7 +5,6 @@ resize, patchify, the (t, h, w) grid an item carries as its layout, the largest 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,29 +13,21 @@ from flashvlm.models.registry import ModelFamily
 if TYPE_CHECKING:
     import torch
 
-    from flashvlm.models.interfaces import VLModel
     from flashvlm.models.loader import Checkpoint
-    from flashvlm.processing.qwen_image import QwenImageInputs, QwenImageProcessor
+    from flashvlm.processing.qwen_image import QwenImageInputs
     from flashvlm.processing.qwen_video import QwenVideoInputs
     from flashvlm.request import MMItem
 
 
 class QwenVLFamily(ModelFamily):
-    image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
-    video_placeholder = "<|vision_start|><|video_pad|><|vision_end|>"
-
-    def __init__(self, architecture: str, model_type: str, qwen25: bool) -> None:
-        self.architecture, self.model_type, self.qwen25 = architecture, model_type, qwen25
-
-    def model_class(self) -> type[VLModel]:
-        from flashvlm.models import qwen2_vl
-
-        return getattr(qwen2_vl, self.architecture)
-
-    def image_processor(self, preprocessor_config: Mapping[str, Any]) -> QwenImageProcessor:
-        from flashvlm.processing.qwen_image import QwenImageProcessor
-
-        return QwenImageProcessor.from_config(preprocessor_config)
+    def __init__(self, architecture: str, model_type: str, qwen25: bool, *,
+                 model_module: str = "flashvlm.models.qwen2_vl",
+                 tiny_checkpoint: str = "flashvlm.testing.tiny_qwen:build_qwen2_vl") -> None:
+        super().__init__(architecture, model_type, "<|vision_start|><|image_pad|><|vision_end|>",
+                         video_placeholder="<|vision_start|><|video_pad|><|vision_end|>", model_module=model_module,
+                         image_processor="flashvlm.processing.qwen_image:QwenImageProcessor",
+                         tiny_checkpoint=tiny_checkpoint)
+        self.qwen25 = qwen25
 
     def image_inputs(self, checkpoint: Checkpoint) -> QwenImageInputs:
         from flashvlm.processing.qwen_image import QwenImageInputs
@@ -67,9 +58,7 @@ class QwenVLFamily(ModelFamily):
                 "mm_token_type_ids": ((input_ids == image_token_id) & (attention_mask == 1)).long().to(device)}
 
     def build_tiny_checkpoint(self, path: str | Path, **kwargs: Any) -> Path:
-        from flashvlm.testing.tiny_qwen import build_qwen2_vl
-
-        return build_qwen2_vl(path, qwen25=self.qwen25, **kwargs)
+        return super().build_tiny_checkpoint(path, qwen25=self.qwen25, **kwargs)
 
 
 QWEN2_VL = QwenVLFamily("Qwen2VLForConditionalGeneration", "qwen2_vl", qwen25=False)

@@ -7,27 +7,21 @@ prompt positions; the benchmark baseline passes the same inputs as Qwen2-VL's, `
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flashvlm.models.families.qwen2_vl import QwenVLFamily
-
-if TYPE_CHECKING:
-    from flashvlm.models.interfaces import VLModel
+from flashvlm.models.registry import import_ref
 
 
 class Qwen3VLFamily(QwenVLFamily):
     def __init__(self) -> None:
-        super().__init__("Qwen3VLForConditionalGeneration", "qwen3_vl", qwen25=False)
-
-    def model_class(self) -> type[VLModel]:
-        from flashvlm.models.qwen3_vl import Qwen3VLForConditionalGeneration
-
-        return Qwen3VLForConditionalGeneration
+        super().__init__("Qwen3VLForConditionalGeneration", "qwen3_vl", qwen25=False,
+                         model_module="flashvlm.models.qwen3_vl",
+                         tiny_checkpoint="flashvlm.testing.tiny_qwen3:build_qwen3_vl")
 
     def build_tiny_checkpoint(self, path: str | Path, **kwargs: Any) -> Path:
-        from flashvlm.testing.tiny_qwen3 import build_qwen3_vl
-
-        return build_qwen3_vl(path, **kwargs)
+        # Qwen3-VL's builder has no qwen25 switch, which Qwen2-VL's builder takes.
+        return import_ref(self.tiny_checkpoint_ref)(path, **kwargs)
 
 
 QWEN3_VL = Qwen3VLFamily()

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashvlm.layers.activation import get_activation
 from flashvlm.layers.linear import MergedLinear, PlainLinear
+from flashvlm.layers.mlp import PlainMLP
 
 # Checkpoint projection -> (packed module, shard). Same naming as the decoder's q/k/v packing, so one
 # loader pass can serve both towers without misrouting either.
@@ -64,24 +64,13 @@ class CLIPAttention(nn.Module):
         return self.out_proj(o.transpose(1, 2).reshape(b, s, -1))
 
 
-class CLIPMLP(nn.Module):
-    def __init__(self, cfg) -> None:
-        super().__init__()
-        self.fc1 = PlainLinear(cfg.hidden_size, cfg.intermediate_size)
-        self.fc2 = PlainLinear(cfg.intermediate_size, cfg.hidden_size)
-        self.act = get_activation(cfg.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class CLIPEncoderLayer(nn.Module):
     def __init__(self, cfg) -> None:
         super().__init__()
         self.layer_norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.self_attn = CLIPAttention(cfg)
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.mlp = CLIPMLP(cfg)
+        self.mlp = PlainMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))

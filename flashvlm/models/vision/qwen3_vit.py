@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from flashvlm.layers.activation import get_activation
 from flashvlm.layers.linear import PlainLinear
+from flashvlm.layers.mlp import PlainMLP
 from flashvlm.layers.norm import LayerNorm
 from flashvlm.models.vision.qwen_vit import (
     Grid,
@@ -63,17 +63,6 @@ def position_taps(grids: Sequence[Grid], merge: int, side: int,
     return torch.cat(indices), torch.cat(weights)
 
 
-class Qwen3VisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str) -> None:
-        super().__init__()
-        self.linear_fc1 = PlainLinear(dim, hidden)
-        self.act = get_activation(act)
-        self.linear_fc2 = PlainLinear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
-
-
 class Qwen3PatchMerger(nn.Module):
     """merge x merge patches -> one LM token. The main merger normalizes each patch before grouping them; the
     DeepStack mergers normalize the grouped vector ("post-shuffle")."""
@@ -103,7 +92,8 @@ class Qwen3VisionTower(QwenVisionTower):
     def __init__(self, cfg) -> None:
         dim = cfg.hidden_size
         super().__init__(cfg, dim, cfg.out_hidden_size, _layer_norm,
-                         lambda: Qwen3VisionMLP(dim, cfg.intermediate_size, cfg.hidden_act))
+                         lambda: PlainMLP(dim, cfg.intermediate_size, cfg.hidden_act,
+                                          names=("linear_fc1", "linear_fc2")))
         self.patch_embed = PatchEmbed(self.in_features, dim, bias=True)
         self.merger = Qwen3PatchMerger(dim, cfg.out_hidden_size, self.merge, postshuffle=False)
         self.side = math.isqrt(cfg.num_position_embeddings)

@@ -13,9 +13,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from flashvlm.layers.activation import get_activation
 from flashvlm.layers.linear import PlainLinear
-from flashvlm.layers.mlp import GatedMLP
+from flashvlm.layers.mlp import GatedMLP, PlainMLP
 from flashvlm.layers.norm import LayerNorm, RMSNorm
 from flashvlm.layers.rotary import apply_rotary_qk_, rotate_half
 from flashvlm.layers.vision_attention import varlen_attention
@@ -123,17 +122,6 @@ class VisionAttention(nn.Module):
         return self.proj(varlen_attention(q, k, v, cu_seqlens, impl=self.attention_impl).reshape(n, -1))
 
 
-class Qwen2VisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str) -> None:
-        super().__init__()
-        self.fc1 = PlainLinear(dim, hidden)
-        self.act = get_activation(act)
-        self.fc2 = PlainLinear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class VisionBlock(nn.Module):
     def __init__(self, dim: int, num_heads: int, norm: Callable[[int], nn.Module], mlp: nn.Module) -> None:
         super().__init__()
@@ -239,7 +227,7 @@ class Qwen2VisionTower(QwenVisionTower):
     def __init__(self, cfg) -> None:
         dim, hidden = cfg.embed_dim, int(cfg.embed_dim * cfg.mlp_ratio)
         super().__init__(cfg, dim, cfg.hidden_size, _layer_norm,
-                         lambda: Qwen2VisionMLP(dim, hidden, cfg.hidden_act))
+                         lambda: PlainMLP(dim, hidden, cfg.hidden_act))
 
     def forward(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
         x, pos = self._embed(pixel_values, grids)
