@@ -20,8 +20,9 @@ T = TypeVar("T")
 
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
 """(owning process id, pool): a forked child has none of the parent's worker threads, so it makes its own."""
-_POOL_SIZE = min(16, os.cpu_count() or 1)
-"""Workers of the shared pool; a call uses at most torch.get_num_threads() of them."""
+_POOL_SIZE = min(8, os.cpu_count() or 1)
+"""Workers of the shared pool; a call uses at most torch.get_num_threads() of them (the caller's CPU budget, the
+calling thread included). 8 already split a 16-frame video into two frames a worker."""
 
 
 def _pool() -> ThreadPoolExecutor:
