@@ -18,7 +18,7 @@ from flashvlm.processing.preprocess import (
     SourceImage,
     cached_preprocess,
     check_image_shape,
-    normalize,
+    lookup_normalize,
     pixel_levels,
     positive_int,
     to_rgb,
@@ -127,7 +127,8 @@ class ClipImageProcessor(PixelSettings):
         arr = np.asarray(img)
         if self.do_center_crop:
             arr = center_crop(arr, *self.crop_hw)
-        return normalize(arr, self, device).permute(2, 0, 1).contiguous()
+        # np.array copies (a byte a value): PIL's array is read-only and the crop a view, torch wants owned memory.
+        return lookup_normalize(torch.from_numpy(np.array(arr, order="C")).to(device), self)
 
     def processor_params(self) -> dict[str, Any]:
         """Everything that changes pixel_values, for the content hash."""

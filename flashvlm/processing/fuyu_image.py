@@ -22,8 +22,8 @@ from flashvlm.processing.preprocess import (
     SourceImage,
     check_image_shape,
     positive_int,
+    table_on,
     to_rgb,
-    value_table,
 )
 from flashvlm.request import InvalidRequestError, MMItem
 
@@ -134,7 +134,7 @@ class FuyuImageProcessor(PixelSettings):
         h, w, c = x.shape
         rows = x.reshape(h // ph, ph, w // pw, pw, c).permute(0, 2, 1, 3, 4).reshape(-1, ph * pw * c)
         offsets = torch.arange(0, 256 * c, 256, dtype=torch.int32, device=x.device).repeat(ph * pw)
-        return torch.index_select(self._table_on(x.device), 0, (rows.to(torch.int32) + offsets).reshape(-1)) \
+        return torch.index_select(table_on(self, x.device), 0, (rows.to(torch.int32) + offsets).reshape(-1)) \
             .view(rows.shape)
 
     def preprocess(self, img: Image.Image, device: torch.device | str | None = None
@@ -142,12 +142,6 @@ class FuyuImageProcessor(PixelSettings):
         """-> (pixel_values float32 (rows * cols, ph * pw * 3) on `device`, (rows, cols))."""
         compact, grid = self.preprocess_compact(img)
         return self.decode_compact(compact if device is None else compact.to(device)), grid
-
-    def _table_on(self, device: torch.device) -> torch.Tensor:
-        tables = self.__dict__.setdefault("_tables_by_device", {})
-        if str(device) not in tables:
-            tables[str(device)] = value_table(self).to(device)
-        return tables[str(device)]
 
     def processor_params(self) -> dict[str, Any]:
         """Everything that changes pixel_values, for the content hash."""

@@ -27,7 +27,15 @@ from flashvlm.processing.anyres import (
     parse_pinpoints,
 )
 from flashvlm.processing.clip_image import ClipImageProcessor
-from flashvlm.processing.preprocess import SourceImage, cached_preprocess, check_image_shape, positive_int, to_rgb
+from flashvlm.processing.preprocess import (
+    SourceImage,
+    cached_preprocess,
+    check_image_shape,
+    lookup_normalize,
+    positive_int,
+    to_rgb,
+)
+from flashvlm.processing.resample import resize_images
 from flashvlm.request import InvalidRequestError, MMItem
 
 if TYPE_CHECKING:
@@ -84,15 +92,28 @@ class LlavaNextImageProcessor:
         img = to_rgb(img)
         best = best_resolution(img.height, img.width, self.pinpoints)
         fitted = fitted_size(img.height, img.width, *best)
-        resized = img if fitted == (img.height, img.width) else img.resize(fitted[::-1], resample=self.clip.resample)
+        # The two resizes of the picture are independent: they run side by side when threads allow.
+        resized, base = resize_images([img, img], [fitted, self.base_hw], self.clip.resample)
         canvas = np.zeros((*best, 3), dtype=np.uint8)
         top, left = pad_offsets(fitted, best)
         canvas[top:top + fitted[0], left:left + fitted[1]] = np.asarray(resized)
-        base = img if self.base_hw == (img.height, img.width) else img.resize(self.base_hw[::-1],
-                                                                               resample=self.clip.resample)
-        tiles = [base] + [Image.fromarray(canvas[r:r + self.tile, c:c + self.tile])
-                          for r in range(0, best[0], self.tile) for c in range(0, best[1], self.tile)]
-        return torch.stack([self.clip.preprocess(t, device=device) for t in tiles])
+        t = self.tile
+        if self._tiles_only_normalize():
+            # Every tile (and the base) is already the tower's size: CLIP's resize and crop leave it as it is, so
+            # all of them take the normalization at once, without a PIL image per tile.
+            crops = canvas.reshape(best[0] // t, t, best[1] // t, t, 3).transpose(0, 2, 1, 3, 4).reshape(-1, t, t, 3)
+            levels = np.concatenate([np.asarray(base)[None], crops])
+            return lookup_normalize(torch.from_numpy(levels).to(device), self.clip)
+        tiles = [base] + [Image.fromarray(canvas[r:r + t, c:c + t]) for r in range(0, best[0], t)
+                          for c in range(0, best[1], t)]
+        return torch.stack([self.clip.preprocess(tile, device=device) for tile in tiles])
+
+    def _tiles_only_normalize(self) -> bool:
+        """Whether CLIP's steps change no tile-sized square (and the base image is one) but for normalizing."""
+        clip, square = self.clip, (self.tile, self.tile)
+        return (self.base_hw == square and not clip.do_pad
+                and (not clip.do_resize or clip.resize_target(*square) == square)
+                and (not clip.do_center_crop or clip.crop_hw == square))
 
     def processor_params(self) -> dict[str, Any]:
         """Everything that changes pixel_values, for the content hash."""

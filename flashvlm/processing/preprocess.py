@@ -6,7 +6,7 @@ processors, in the reference's order of operations, so results match it bit for 
 PIL image (Pillow's fixed-point resampler, exactly as HF's PIL backend does), then rescale in float64 cast to
 float32, then ``(x - mean) / std`` in float32. Qwen's float steps and patchify run wherever the resized uint8
 image is (``device=``) as one table lookup computed on the CPU, so they are bit-identical on an accelerator too;
-CLIP's run there directly (the division may differ by an ulp).
+so do CLIP's and LLaVA-NeXT's (`lookup_normalize`).
 """
 
 from __future__ import annotations
@@ -191,6 +191,27 @@ def value_table(proc: PixelSettings) -> torch.Tensor:
     """(C * 256,) float32, channel-major: what `normalize` turns each uint8 value of each channel into. The same
     elementwise float64/float32 operations on the 256 possible values, so a lookup is bit-identical to them."""
     return normalize(np.arange(256, dtype=np.uint8)[:, None].repeat(3, axis=1), proc, None).T.contiguous().flatten()
+
+
+def table_on(proc: PixelSettings, device: torch.device | str) -> torch.Tensor:
+    """`value_table(proc)` on `device`, made once per device and kept on the processor (outside its fields)."""
+    tables = proc.__dict__.setdefault("_tables_by_device", {})
+    key = str(device)
+    if key not in tables:
+        tables[key] = value_table(proc).to(device)
+    return tables[key]
+
+
+def lookup_normalize(levels: torch.Tensor, proc: PixelSettings) -> torch.Tensor:
+    """uint8 (..., H, W, C) -> float32 (..., C, H, W) on levels' device: `normalize` then channels first, as one
+    table lookup (bit-identical to it on the CPU, and on an accelerator too since the table is made on the CPU)."""
+    c = levels.shape[-1]
+    dims = levels.dim()
+    # The uint8 transpose is the cheap one (a byte a value); the lookup then reads and writes in order.
+    planes = levels.permute(*range(dims - 3), dims - 1, dims - 3, dims - 2).contiguous()
+    offsets = torch.arange(0, 256 * c, 256, dtype=torch.int32, device=levels.device).view(c, 1, 1)
+    index = (planes.to(torch.int32) + offsets).reshape(-1)
+    return torch.index_select(table_on(proc, levels.device), 0, index).view(planes.shape)
 
 
 def get_image_processor(preprocessor_config: Mapping[str, Any], model_type: str) -> Any:

@@ -21,9 +21,9 @@ from flashvlm.processing.preprocess import (
     check_image_shape,
     pixel_levels,
     positive_int,
+    table_on,
     to_rgb,
     token_blocks,
-    value_table,
 )
 from flashvlm.processing.qwen_grid import largest_qwen_grid, qwen_target_size
 from flashvlm.pruning.base import TokenGrid
@@ -161,7 +161,7 @@ class QwenImageProcessor(PixelSettings):
         n, cols = rows.shape
         per_channel = cols // c
         offsets = torch.arange(0, 256 * c, 256, dtype=torch.int32, device=x.device).repeat_interleave(per_channel)
-        values = torch.index_select(self._table_on(x.device), 0, (rows.to(torch.int32) + offsets).reshape(-1))
+        values = torch.index_select(table_on(self, x.device), 0, (rows.to(torch.int32) + offsets).reshape(-1))
         t = self.temporal_patch_size
         return values.view(n, c, 1, per_channel).expand(n, c, t, per_channel).reshape(n, c * t * per_channel)
 
@@ -178,14 +178,6 @@ class QwenImageProcessor(PixelSettings):
         c = x.shape[-1]
         x = x.reshape(gh // m, m, p, gw // m, m, p, c).permute(0, 3, 1, 4, 6, 2, 5)
         return x.reshape(gh * gw, c * p * p)
-
-    def _table_on(self, device: torch.device) -> torch.Tensor:
-        """The normalization lookup table, made once per device (kept outside the dataclass fields)."""
-        tables = self.__dict__.setdefault("_tables_by_device", {})
-        key = str(device)
-        if key not in tables:
-            tables[key] = value_table(self).to(device)
-        return tables[key]
 
     def processor_params(self, min_pixels: int | None = None,
                          max_pixels: int | None = None) -> dict[str, Any]:

@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
 from flashvlm.processing.hashing import hash_pixels
-from flashvlm.processing.preprocess import token_blocks
+from flashvlm.processing.preprocess import table_on, token_blocks
 from flashvlm.processing.qwen_grid import largest_qwen_grid
 from flashvlm.processing.qwen_image import QwenImageProcessor, smart_resize
+from flashvlm.processing.resample import resize_frames
 from flashvlm.processing.video import load_video
 from flashvlm.pruning.base import TokenGrid
 from flashvlm.pruning.temporal import (
@@ -184,7 +184,7 @@ class QwenVideoInputs:
                   "indices": indices.tolist()}
         video_hash = hash_pixels("RGB", width, height, params, np.ascontiguousarray(frames))
         if (h, w) != (height, width):
-            frames = np.stack([np.asarray(Image.fromarray(f).resize((w, h), resample=proc.resample)) for f in frames])
+            frames = resize_frames(frames, h, w, proc.resample)
         if pad := -n % t:
             frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
         times = self._timestamps(indices, video.fps)
@@ -255,5 +255,5 @@ class QwenVideoInputs:
         rows = x.reshape(t, gh // m, m, p, gw // m, m, p, c).permute(1, 4, 2, 5, 7, 0, 3, 6).reshape(gh * gw, -1)
         per_channel = t * p * p
         offsets = torch.arange(0, 256 * c, 256, dtype=torch.int32, device=x.device).repeat_interleave(per_channel)
-        values = torch.index_select(proc._table_on(x.device), 0, (rows.to(torch.int32) + offsets).reshape(-1))
+        values = torch.index_select(table_on(proc, x.device), 0, (rows.to(torch.int32) + offsets).reshape(-1))
         return values.view(gh * gw, c * per_channel)

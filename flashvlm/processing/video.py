@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from flashvlm.processing.images import load_image
+from flashvlm.processing.images import load_image, rgb_array
 from flashvlm.request import InvalidRequestError
 
 MAX_VIDEO_FILE_BYTES = 256 * 2**20
@@ -82,7 +82,9 @@ def _from_frames(frames: list | tuple) -> Video:
         if isinstance(frame, (str, bytes, os.PathLike)):
             raise InvalidRequestError(f"frame {i}: a frame must be a PIL image or an array")
         try:
-            arrays.append(np.asarray(load_image(frame), dtype=np.uint8))
+            # An RGB array is kept as it is (load_image's pixels without its PIL round trip); np.stack copies it.
+            rgb = rgb_array(frame)
+            arrays.append(rgb if rgb is not None else np.asarray(load_image(frame), dtype=np.uint8))
         except InvalidRequestError as e:
             raise InvalidRequestError(f"frame {i}: {e}") from None
     if len({a.shape for a in arrays}) > 1:
