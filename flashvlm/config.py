@@ -102,8 +102,9 @@ class ModelConfig:
         help="quantize the language model's linear layers at load: fp8 (e4m3 weights per output channel, "
              "activations per token), int8 (W8A8), int4 (W4A16, groups of 128); a pre-quantized checkpoint "
              "(compressed-tensors, transformers fp8) is run as it is without this flag (docs/quantization.md)")
-    quantize_vision: bool = option(False, help="with --quantization, also quantize the vision tower and projector "
-                                               "(they stay in the model dtype by default)")
+    quantize_vision: bool = option(
+        False, help="with --quantization, also quantize the vision tower and projector (they stay in the model dtype "
+                    "by default)")
     mm_token_pruning: str = option(
         "none", choices=PRUNING_STRATEGIES, check=_pruning_strategy,
         help="visual-token pruning: which of an image's merged tokens the language model sees (docs/pruning.md); "
