@@ -19,6 +19,7 @@ from flashvlm.attention.base import get_backend
 from flashvlm.attention.kv_quant import FP8_KV_DTYPE
 from flashvlm.config import EngineConfig
 from flashvlm.engine.sched_output import SchedulerOutput
+from flashvlm.kernels.dispatch import use_triton
 from flashvlm.models.interfaces import VLModel
 from flashvlm.request import MMItem, Request, TokenLogprobs
 from flashvlm.runner.executor import ExecutionPath, StepExecutor, StepPlan
@@ -224,9 +225,9 @@ class ModelRunner:
 
     def _greedy_tokens(self, out: SchedulerOutput, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
         """A lookahead step's tokens where some row is not the plain argmax: what the sampler picks for greedy
-        rows (its penalties and masks, then argmax)."""
+        rows (its penalties and masks, then argmax; one fused kernel on CUDA)."""
         rows = self._sampler_inputs(out, plan.sample_request_ids)
-        return self.sampler.apply_penalties(logits, rows).argmax(dim=-1)
+        return self.sampler.greedy(logits, rows, use_kernel=use_triton(logits, self.config.kernel_backend == "triton"))
 
     def release(self, out: SchedulerOutput) -> None:
         for h in out.free_encoder_hashes:

@@ -40,9 +40,12 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return gen
 
 
-def host_to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host list or array -> device tensor without blocking the host on the device stream."""
-    if isinstance(values, np.ndarray):
+def host_to_device(values: list | np.ndarray | torch.Tensor, dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+    """Host list, array or tensor -> device tensor without blocking the host on the device stream."""
+    if isinstance(values, torch.Tensor):
+        cpu = values.to(dtype)
+    elif isinstance(values, np.ndarray):
         cpu = torch.from_numpy(values).to(dtype)
     else:
         cpu = torch.tensor(values, dtype=dtype)
@@ -50,6 +53,16 @@ def host_to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.
         return cpu
     # A pageable-memory copy waits for the stream; a pinned one is queued behind the model.
     return cpu.pin_memory().to(device, non_blocking=True)
+
+
+def banned_stop_tokens(params: Sequence[SamplingParams], num_output_tokens: Sequence[int],
+                       eos_token_ids: Sequence[tuple[int, ...]], vocab: int) -> list[list[int]]:
+    """Each row's tokens that min_tokens bans now (its stop tokens, and EOS unless ignore_eos), within the vocab."""
+    out: list[list[int]] = []
+    for p, n, eos in zip(params, num_output_tokens, eos_token_ids):
+        banned = set() if n >= p.min_tokens else set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
+        out.append(sorted(t for t in banned if 0 <= t < vocab))
+    return out
 
 
 @dataclass
@@ -140,6 +153,27 @@ class Sampler:
         # row no token at all (decided on the device, without a sync).
         return torch.where(torch.isfinite(banned).any(dim=-1, keepdim=True), banned, logits)
 
+    def greedy(self, logits: torch.Tensor, rows: SamplerInputs, use_kernel: bool) -> torch.Tensor:
+        """Tokens of rows that are all greedy: the argmax of `apply_penalties`. With `use_kernel` and no repetition
+        penalty, one fused pass over the logits (kernels/masked_greedy.py) instead of a dozen torch kernels."""
+        if not use_kernel or any(p.repetition_penalty != 1.0 for p in rows.params):
+            return self.apply_penalties(logits, rows).argmax(dim=-1)
+        from flashvlm.kernels.masked_greedy import masked_greedy_triton
+
+        device = logits.device
+        mask_rows = [-1] * len(rows)
+        bitmask = torch.zeros((0, 1), dtype=torch.int32)
+        if rows.token_mask is not None:
+            for j, i in enumerate(rows.token_mask.rows):
+                mask_rows[i] = j
+            bitmask = rows.token_mask.bitmask
+        banned = banned_stop_tokens(rows.params, rows.num_output_tokens, rows.eos_token_ids, logits.shape[1])
+        width = max(map(len, banned), default=0)
+        table = [b + [-1] * (width - len(b)) for b in banned]
+        return masked_greedy_triton(logits, host_to_device(bitmask, torch.int32, device),
+                                    host_to_device(mask_rows, torch.int32, device),
+                                    host_to_device(table, torch.int64, device).view(len(rows), width))
+
     # --- logits processors --------------------------------------------------------------------
     # A processor added here must also be ruled out by `is_plain_argmax`.
 
@@ -191,17 +225,9 @@ class Sampler:
         """While a row is below ``min_tokens``, forbid everything that would end it."""
         rows: list[int] = []
         cols: list[int] = []
-        vocab = logits.shape[1]
-        for i, p in enumerate(params):
-            if num_output_tokens[i] >= p.min_tokens:
-                continue
-            banned = set(p.stop_token_ids)
-            if not p.ignore_eos:
-                banned.update(eos_token_ids[i])
-            for t in banned:
-                if 0 <= t < vocab:
-                    rows.append(i)
-                    cols.append(t)
+        for i, banned in enumerate(banned_stop_tokens(params, num_output_tokens, eos_token_ids, logits.shape[1])):
+            rows += [i] * len(banned)
+            cols += banned
         if not rows:
             return logits
         index = host_to_device([rows, cols], torch.int64, logits.device)

@@ -43,3 +43,24 @@ def test_constrained_rows_take_the_lookahead_with_the_eager_paths_tokens(tmp_pat
     # Steps holding the constrained rows were launched ahead, and the lookahead kept them.
     assert any({outs[0].request_id, outs[2].request_id} <= set(ids) for ids in launched)
     assert pipeline.num_lookaheads > pipeline.num_dropped
+
+
+def test_the_fused_masked_greedy_kernel_gives_the_eager_paths_tokens(tmp_path, monkeypatch) -> None:
+    # Lookahead steps whose rows are greedy without a repetition penalty pick their tokens with
+    # kernels/masked_greedy.py on CUDA; here it is forced onto the CPU tensors (Triton's interpreter).
+    import flashvlm.kernels.masked_greedy as masked_greedy
+    import flashvlm.runner.model_runner as model_runner
+
+    path = str(build_qwen2_vl(tmp_path / "m", seed=9))
+    prompts = [{"prompt": "One, text only."}, {"prompt": "Two, text only, and longer."}]
+    constrained = SamplingParams(temperature=0.0, max_tokens=20,
+                                 structured_outputs=StructuredOutputsParams(regex="[a-z]{16}"))
+    banned = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
+    expected = LLM(path, enforce_eager=True, **OPTS).generate(prompts, [constrained, banned])
+    calls = []
+    kernel = masked_greedy.masked_greedy_triton
+    monkeypatch.setattr(masked_greedy, "masked_greedy_triton", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(model_runner, "use_triton", lambda x, enabled=None: True)
+    outs, launched, pipeline = generate_beside_lookahead(path, prompts, [constrained, banned])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert calls and pipeline.num_lookaheads > 0 and len(outs[1].token_ids) == 12
