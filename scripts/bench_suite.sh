@@ -8,8 +8,12 @@
 #
 #   --out DIR            results folder (default bench_out/suite)
 #   --jobs LIST          a subset of: latency throughput512 throughput caching sla agreement kernels profile
-#                        vllm quant (default: all but profile, vllm and quant; roughly half an hour on one H200,
-#                        estimated from the jobs' separate runs). vllm runs the throughput and long-prompt
+#                        vllm quant families structured (default: the first seven; roughly half an hour on one
+#                        H200, estimated from the jobs' separate runs). families measures Qwen3-VL-8B,
+#                        LLaVA-v1.6-Mistral-7B and Fuyu-8B at 1008x756 and a 16-frame video on Qwen2.5-VL-7B and
+#                        Qwen3-VL-8B against transformers, and 512 requests of each (about 10 minutes; --model
+#                        does not apply); structured times batch-32 decode with and without structured outputs.
+#                        vllm runs the throughput and long-prompt
 #                        workloads beside vLLM (`--baseline vllm`; VLLM_PYTHON names an interpreter that imports
 #                        it, default python3); quant compares bf16 with FP8, INT8 and INT4 weights and an FP8 KV
 #                        cache, and times the quantized kernels
@@ -27,7 +31,7 @@ while [ $# -gt 0 ]; do
     --baseline-tree) BASE_TREE=$(cd "$2" && pwd) || exit 2; shift 2 ;;
     --model) MODEL=$(cd "$2" && pwd) || exit 2; shift 2 ;;
     --scale) SCALE=$2; shift 2 ;;
-    -h|--help) sed -n 2,17p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,24p "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -127,6 +131,19 @@ run_job() {  # job dir: run from inside the tree being measured
       KV_CACHE_DTYPE=fp8 script "$d/agreement_kv_fp8" scripts/gpu_agreement_7b.py ;;
     profile)  # where a batch-1 request's time goes (kernels, host share)
       script "$d" scripts/gpu_profile.py ;;
+    families)  # the other families and video: TTFT and TPOT against transformers, then 512 requests offline
+      local F=(--text-tokens 64 --output-tokens 128 --max-model-len 8192 --no-progress)
+      local item model input
+      for item in qwen3-vl-8b:image llava-v1.6-mistral-7b:image fuyu-8b:image qwen2.5-vl-7b:video qwen3-vl-8b:video; do
+        model=${item%%:*} input=(--image-size 1008x756)
+        [ "${item##*:}" = video ] && input=(--image-size none --video 16x640x360)
+        bench "$d/${model}_${item##*:}_latency" latency --benchmark-model "$model" "${F[@]}" "${input[@]}" \
+          --num-requests "$(n 6)" --warmup 2 --gpu-memory-utilization 0.5 --baseline transformers
+        bench "$d/${model}_${item##*:}_throughput" throughput --benchmark-model "$model" "${F[@]}" "${input[@]}" \
+          --num-requests "$(n 512)" --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.9
+      done ;;
+    structured)  # batch-32 decode with and without structured outputs (needs xgrammar)
+      script "$d" scripts/gpu_structured_throughput.py ;;
     *) echo "unknown job: $job" >&2; return 2 ;;
   esac
 }
