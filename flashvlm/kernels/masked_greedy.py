@@ -21,12 +21,17 @@ _BLOCK = 2048
 
 
 @triton.jit
-def _first_max(x, offs, best, best_i):
-    """(best, best_i) after the block `x` at `offs`: the first index of the largest value so far."""
-    m = tl.max(x, axis=0)
-    i = tl.min(tl.where(x == m, offs, 2147483647), axis=0)
-    take = m > best  # strict: an equal value in a later block keeps the earlier index
-    return tl.where(take, m, best), tl.where(take, i, best_i)
+def _keep_first_max(x, offs, best, best_i):
+    """Per lane, the largest value so far and the first index that had it (strictly larger values replace it)."""
+    take = x > best
+    return tl.where(take, x, best), tl.where(take, offs, best_i)
+
+
+@triton.jit
+def _first_argmax(best, best_i):
+    """The first index of the row's largest value, from the lanes' (value, first index); 0 for an all -inf row."""
+    m = tl.max(best, axis=0)
+    return tl.min(tl.where(best == m, best_i, 2147483647), axis=0), m
 
 
 @triton.jit
@@ -35,27 +40,31 @@ def _masked_greedy_kernel(logits_ptr, logits_stride, bitmask_ptr, bitmask_stride
                           NUM_BANNED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     mask_row = tl.load(mask_rows_ptr + row).to(tl.int64)
-    best = float("-inf")
-    best_i = 0
-    kept = float("-inf")
-    kept_i = 0
+    constrained = mask_row >= 0
+    words_row = bitmask_ptr + tl.maximum(mask_row, 0) * bitmask_stride
+    words_limit = tl.where(constrained, n_words, 0)
+    lanes = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)  # with the ban
+    best_i = tl.zeros([BLOCK], tl.int32)
+    kept = tl.full([BLOCK], float("-inf"), tl.float32)  # without it
+    kept_i = tl.zeros([BLOCK], tl.int32)
     for start in range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+        offs = start + lanes
         inside = offs < vocab
         x = tl.load(logits_ptr + row * logits_stride + offs, mask=inside, other=float("-inf")).to(tl.float32)
-        if mask_row >= 0:
-            word_index = offs // 32
-            words = tl.load(bitmask_ptr + mask_row * bitmask_stride + word_index,
-                            mask=inside & (word_index < n_words), other=0)
-            x = tl.where(((words >> (offs % 32)) & 1) != 0, x, float("-inf"))
-        x = tl.where(inside, x, float("-inf"))
-        kept, kept_i = _first_max(x, offs, kept, kept_i)
+        word_index = offs // 32
+        # An unconstrained row reads no words (every bit set); a constrained one allows nothing past its words.
+        words = tl.load(words_row + word_index, mask=inside & (word_index < words_limit), other=0)
+        words = tl.where(constrained, words, -1)
+        x = tl.where(inside & (((words >> (offs % 32)) & 1) != 0), x, float("-inf"))
+        kept, kept_i = _keep_first_max(x, offs, kept, kept_i)
         for k in tl.static_range(NUM_BANNED):
             token = tl.load(banned_ptr + row * banned_stride + k)
             x = tl.where(offs == token, float("-inf"), x)
-        best, best_i = _first_max(x, offs, best, best_i)
-    answer = tl.where(best > float("-inf"), best_i, kept_i)
-    tl.store(out_ptr + row, answer.to(tl.int64))
+        best, best_i = _keep_first_max(x, offs, best, best_i)
+    answer, top = _first_argmax(best, best_i)
+    fallback, _ = _first_argmax(kept, kept_i)
+    tl.store(out_ptr + row, tl.where(top > float("-inf"), answer, fallback).to(tl.int64))
 
 
 def masked_greedy_triton(logits: torch.Tensor, bitmask: torch.Tensor, mask_rows: torch.Tensor,

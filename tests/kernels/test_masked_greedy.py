@@ -50,8 +50,9 @@ def test_kernel_matches_reference(dtype: torch.dtype, vocab: int) -> None:
     for t in (11, 700):
         bitmask[2, t // 32] |= torch.tensor(1 << (t % 32)).to(torch.int32)
     banned[3, :2] = torch.tensor([11, 700])
-    # Row 4: the maximum twice, in different blocks when there are several: the first index wins.
-    logits[4, 3] = logits[4, vocab - 2] = logits[4].float().max().to(dtype) + 1
+    # Row 4: the maximum twice, in one lane of two blocks when there are several (BLOCK 2048): the first wins.
+    twin = 3 + 2048 if vocab > 2051 else vocab - 2
+    logits[4, 3] = logits[4, twin] = logits[4].float().max().to(dtype) + 1
     args = (bitmask, mask_rows, banned)
     expected = masked_greedy_reference(logits, *args)
     got = masked_greedy_triton(logits.to(DEVICE), *(a.to(DEVICE) for a in args)).cpu()
