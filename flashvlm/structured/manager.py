@@ -37,19 +37,15 @@ rule bans every token the grammar allows, e.g. min_tokens banning the end of a f
 
 @dataclass
 class _FilledMasks:
-    """Masks filled ahead of the step that samples them: row i of `bitmask` is for request_ids[i], after
-    num_accepted[i] of its output tokens."""
+    """Masks filled ahead of the step that samples them: row `rows[id][0]` of `bitmask` is for request `id`, after
+    `rows[id][1]` of its output tokens."""
 
-    request_ids: list[str]
-    num_accepted: list[int]
+    rows: dict[str, tuple[int, int]]
     bitmask: torch.Tensor
 
     def row_of(self, request_id: str, num_accepted: int) -> int | None:
-        try:
-            i = self.request_ids.index(request_id)
-        except ValueError:
-            return None
-        return i if self.num_accepted[i] == num_accepted else None
+        row, accepted = self.rows.get(request_id, (None, -1))
+        return row if accepted == num_accepted else None
 
 
 class StructuredOutputs:
@@ -116,7 +112,7 @@ class StructuredOutputs:
 
     def _fill_ahead(self, live: list[tuple[str, Matcher]]) -> _FilledMasks:
         matchers = [m for _, m in live]
-        return _FilledMasks([rid for rid, _ in live], [m.num_accepted for m in matchers], self._fill(matchers))
+        return _FilledMasks({rid: (i, m.num_accepted) for i, (rid, m) in enumerate(live)}, self._fill(matchers))
 
     def _take_filled(self) -> _FilledMasks | None:
         """The masks being filled ahead, once done (None if none are)."""
