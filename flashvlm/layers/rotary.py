@@ -3,6 +3,8 @@ half-rotation layout."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -68,16 +70,34 @@ def apply_partial_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return apply_partial_rotary(x.reshape(n, num_heads, head_dim), cos, sin).reshape(n, -1)
 
 
+@dataclass(frozen=True)
+class QKNorm:
+    """Qwen3's RMSNorm over each query and key head, for the fused rotary kernel to apply first."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    num_q_heads: int
+    eps: float
+
+    def fits(self, qkv: torch.Tensor, head_dim: int) -> bool:
+        return all(w.shape == (head_dim,) and w.dtype == qkv.dtype and w.device == qkv.device and w.is_contiguous()
+                   for w in (self.q_weight, self.k_weight))
+
+
 def apply_rotary_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int, *,
-                     enabled: bool | None = None, force: bool = False, fp32_math: bool = False) -> bool:
+                     enabled: bool | None = None, force: bool = False, fp32_math: bool = False,
+                     qk_norm: QKNorm | None = None) -> bool:
     """Rotate the first `num_heads` heads of each row of the packed projection `qkv` in place (queries then
-    keys) with the fused Triton kernel. Returns False, touching nothing, where the kernel does not run.
-    fp32_math: round once at the end, as the vision towers' float32 rotary does."""
+    keys) with the fused Triton kernel, RMS-normalizing each head first with `qk_norm`. Returns False, touching
+    nothing, where the kernel does not run. fp32_math: round once at the end, as the vision towers' float32
+    rotary does."""
     if not use_triton(qkv, enabled, force) or qkv.dim() != 2 or qkv.stride(1) != 1:
+        return False
+    if qk_norm is not None and (cos.shape[-1] != head_dim or not qk_norm.fits(qkv, head_dim)):
         return False
     from flashvlm.kernels.rotary import rotary_qk_inplace  # lazy: Triton loads on the first kernel call
 
-    rotary_qk_inplace(qkv, cos, sin, num_heads, head_dim, fp32_math=fp32_math)
+    rotary_qk_inplace(qkv, cos, sin, num_heads, head_dim, fp32_math=fp32_math, qk_norm=qk_norm)
     return True
 
 

@@ -10,7 +10,7 @@ from flashvlm.layers.attention import ForwardContext, PagedAttention
 from flashvlm.layers.linear import Linear, MergedLinear
 from flashvlm.layers.mlp import GatedMLP
 from flashvlm.layers.norm import RMSNorm
-from flashvlm.layers.rotary import MRotaryEmbedding, RotaryEmbedding, apply_rotary, apply_rotary_qk_
+from flashvlm.layers.rotary import MRotaryEmbedding, QKNorm, RotaryEmbedding, apply_rotary, apply_rotary_qk_
 from flashvlm.models.interfaces import KVCacheSpec
 
 # checkpoint projection name -> (packed module name, shard index)
@@ -42,15 +42,17 @@ class DecoderAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.q_norm is not None:
+        norm = None if self.q_norm is None else QKNorm(self.q_norm.weight, self.k_norm.weight, self.num_heads,
+                                                       self.q_norm.eps)
+        # One launch normalizes (Qwen3) and rotates queries and keys in place (within an ulp of the torch path);
+        # q and k stay strided views of the packed output, which the attention kernels read directly.
+        fused = apply_rotary_qk_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim,
+                                 enabled=self.use_triton_kernels, qk_norm=norm)
+        if not fused and self.q_norm is not None:
             q, k, v = self.qkv_proj.split_output(qkv)
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(n, -1)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(n, -1)
             qkv = torch.cat((q, k, v), dim=-1)
-        # One launch rotates queries and keys in place (within an ulp of the torch path); q and k stay strided
-        # views of the packed output, which the attention kernels read directly.
-        fused = apply_rotary_qk_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim,
-                                 enabled=self.use_triton_kernels)
         q, k, v = self.qkv_proj.split_output(qkv)
         if not fused:
             q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin).reshape(n, -1)

@@ -214,6 +214,38 @@ def test_rotary_qk(device, dtype, tokens, q_heads, kv_heads, head_dim, mrope):
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", [
+    (6, 4, 2, 16),     # the tiny Qwen3-VL text model's heads
+    (3, 32, 8, 128),   # Qwen3-VL-8B: more than one head block
+])
+def test_rotary_qk_with_qk_norm_matches_norm_then_rotary(device, dtype, tokens, q_heads, kv_heads, head_dim):
+    # Qwen3: each query and key head RMS-normalized with its own weight, then rotated; values untouched.
+    from flashvlm.layers.norm import rms_norm_reference
+    from flashvlm.layers.rotary import QKNorm
+
+    q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, dtype=dtype, device=device) * 3
+    wq, wk = (torch.rand(head_dim, device=device).to(dtype) + 0.5 for _ in range(2))
+    cos, sin = MRotaryEmbedding(head_dim, {"mrope_section": [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16],
+                                           "mrope_interleaved": True}).to(device)(
+        torch.randint(0, 4000, (3, tokens), device=device), dtype)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    ref_q = apply_rotary(rms_norm_reference(q.reshape(-1, head_dim), None, wq, 1e-6).view(tokens, q_heads, head_dim),
+                         cos, sin).reshape(tokens, -1)
+    ref_k = apply_rotary(rms_norm_reference(k.reshape(-1, head_dim), None, wk, 1e-6).view(tokens, kv_heads, head_dim),
+                         cos, sin).reshape(tokens, -1)
+    ref_v = v.clone()
+    assert apply_rotary_qk_(qkv, cos, sin, q_heads + kv_heads, head_dim, force=True,
+                            qk_norm=QKNorm(wq, wk, q_heads, 1e-6))
+    frac = 0.05 if device == "cpu" and dtype != torch.float32 else 0.3  # the norm's sum order: an ulp here and there
+    assert_matches(qkv[:, :q_size], ref_q, max_mismatch_frac=frac)
+    assert_matches(qkv[:, q_size:q_size + kv_size], ref_k, max_mismatch_frac=frac)
+    assert torch.equal(qkv[:, q_size + kv_size:], ref_v), "values must stay untouched"
+    assert not apply_rotary_qk_(qkv, cos, sin, q_heads + kv_heads, head_dim, force=True,
+                                qk_norm=QKNorm(wq.float() if dtype != torch.float32 else wq.half(), wk, q_heads, 1e-6))
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
 def test_rotary_qk_fp32_math_matches_the_vision_rotary(device, dtype):
     from flashvlm.models.vision.qwen_vit import apply_vision_rotary, vision_position_ids, vision_rotary
 

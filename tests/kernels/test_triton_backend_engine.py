@@ -46,9 +46,9 @@ def test_triton_backend_matches_reference(tmp_path, architecture: str) -> None:
 
 @BUILDERS
 def test_fused_rotary_feeds_strided_queries_to_the_kernels(build, tmp_path, monkeypatch) -> None:
-    """With the fused rotary kernel (decoder, and the vision tower's float32 variant), q and k reach the attention
-    kernels as strided views of the packed QKV output; the tokens must not change (float32, the rotary kernel
-    forced on for CPU tensors too)."""
+    """With the fused rotary kernel (decoder, Qwen3's with its QK-norm, and the vision tower's float32 variant), q
+    and k reach the attention kernels as strided views of the packed QKV output; the tokens must not change
+    (float32, the rotary kernel forced on for CPU tensors too)."""
     import flashvlm.layers.rotary as rotary_mod
     from flashvlm.kernels import dispatch
 
@@ -67,11 +67,13 @@ def test_fused_rotary_feeds_strided_queries_to_the_kernels(build, tmp_path, monk
     import flashvlm.kernels.rotary as kernel_mod
 
     modes: set[bool] = set()
+    normed: set[bool] = set()
     kernel = kernel_mod.rotary_qk_inplace
 
-    def recording_kernel(*args, fp32_math=False):
+    def recording_kernel(*args, fp32_math=False, qk_norm=None):
         modes.add(fp32_math)
-        return kernel(*args, fp32_math=fp32_math)
+        normed.add(qk_norm is not None)
+        return kernel(*args, fp32_math=fp32_math, qk_norm=qk_norm)
 
     outs = {}
     for kernels in ("torch", "triton"):
@@ -88,6 +90,8 @@ def test_fused_rotary_feeds_strided_queries_to_the_kernels(build, tmp_path, monk
         outs[kernels] = [o.token_ids for o in llm.generate(prompts, params)]
     assert calls and any(c is not False for c in calls), "the fused rotary path never ran"
     assert modes == {False, True}, "the decoder (rounding like bf16 torch) and the vision tower (float32) both ran it"
+    # Qwen3-VL's decoder normalizes each query and key head in the same launch.
+    assert normed == ({False, True} if build is build_qwen3_vl else {False})
     assert outs["triton"] == outs["torch"]
 
 
