@@ -70,6 +70,23 @@ def apply_partial_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return apply_partial_rotary(x.reshape(n, num_heads, head_dim), cos, sin).reshape(n, -1)
 
 
+def apply_head_norm_rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int,
+                            q_norm: nn.Module, k_norm: nn.Module, *, enabled: bool | None = None,
+                            force: bool = False) -> bool:
+    """Persimmon's per-head LayerNorm of the queries and keys (`q_norm`, `k_norm`: LayerNorms of width head_dim)
+    and its partial rotary, in place on the packed projection `qkv` (num_heads query heads, then as many key
+    heads) in one launch. Returns False, touching nothing, where the kernel does not run."""
+    params = (q_norm.weight, q_norm.bias, k_norm.weight, k_norm.bias)
+    if (not use_triton(qkv, enabled, force) or qkv.dim() != 2 or qkv.stride(1) != 1 or q_norm.eps != k_norm.eps
+            or any(p.dtype != qkv.dtype or p.shape != (head_dim,) for p in params)):
+        return False
+    from flashvlm.kernels.head_norm_rotary import head_norm_rotary_inplace  # lazy: Triton loads on first use
+
+    head_norm_rotary_inplace(qkv, cos, sin, num_heads, num_heads, head_dim, (q_norm.weight, q_norm.bias),
+                             (k_norm.weight, k_norm.bias), q_norm.eps)
+    return True
+
+
 @dataclass(frozen=True)
 class QKNorm:
     """Qwen3's RMSNorm over each query and key head, for the fused rotary kernel to apply first."""

@@ -11,7 +11,7 @@ from flashvlm.layers.activation import get_activation
 from flashvlm.layers.attention import ForwardContext, PagedAttention
 from flashvlm.layers.linear import Linear, MergedLinear
 from flashvlm.layers.norm import HeadLayerNorm, LayerNorm
-from flashvlm.layers.rotary import RotaryEmbedding, apply_partial_rotary_
+from flashvlm.layers.rotary import RotaryEmbedding, apply_head_norm_rotary_, apply_partial_rotary_
 from flashvlm.models.decoder import PreNormLayer, run_decoder_layers
 from flashvlm.models.interfaces import KVCacheSpec
 
@@ -57,7 +57,14 @@ class PersimmonAttention(nn.Module):
         """Fused partial rotary on CUDA tensors; the engine sets it from EngineConfig.kernel_backend."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        q, k, v = self.query_key_value.split_output(self.query_key_value(x))
+        qkv = self.query_key_value(x)
+        # On CUDA one launch normalizes and rotates every query and key head in place in the packed projection.
+        if self.qk_layernorm and apply_head_norm_rotary_(qkv, cos, sin, self.num_heads, self.head_dim,
+                                                         self.q_layernorm, self.k_layernorm,
+                                                         enabled=self.use_triton_kernels):
+            q, k, v = self.query_key_value.split_output(qkv)
+            return self.dense(self.attn(q, k, v, ctx))
+        q, k, v = self.query_key_value.split_output(qkv)
         if self.qk_layernorm:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         # In place on the kernel path: q and k are the QK-norm's fresh outputs, or views of this layer's projection.

@@ -246,6 +246,36 @@ def test_rotary_qk_with_qk_norm_matches_norm_then_rotary(device, dtype, tokens, 
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("tokens,heads,head_dim,rotary_dim", [
+    (5, 4, 16, 8),     # the tiny Fuyu
+    (3, 64, 64, 32),   # Fuyu-8B / Persimmon-8B: several head blocks
+    (2, 3, 24, 24),    # full rotary, a head dim that is not a power of two
+])
+def test_head_norm_rotary_matches_layernorm_then_partial_rotary(device, dtype, tokens, heads, head_dim, rotary_dim):
+    # Persimmon: each query and key head LayerNorm-ed with its own (weight, bias), then partially rotated, in
+    # place in the packed projection; the values stay untouched.
+    from flashvlm.kernels.head_norm_rotary import head_norm_rotary_inplace, head_norm_rotary_reference
+
+    width = heads * head_dim
+    qkv = torch.randn(tokens, 3 * width, dtype=dtype, device=device) * 3 + 0.5
+    norms = [(torch.rand(head_dim, device=device).to(dtype) + 0.5, torch.randn(head_dim, device=device).to(dtype))
+             for _ in range(2)]
+    cos, sin = RotaryEmbedding(rotary_dim, {"rope_theta": 25000.0}).to(device)(
+        torch.randint(0, 4000, (tokens,), device=device), dtype)
+    ref_q, ref_k = head_norm_rotary_reference(qkv[:, :width], qkv[:, width:2 * width], cos, sin, head_dim, *norms,
+                                              1e-5)
+    ref_v = qkv[:, 2 * width:].clone()
+    head_norm_rotary_inplace(qkv, cos, sin, heads, heads, head_dim, *norms, 1e-5)
+    frac = 0.05 if device == "cpu" and dtype != torch.float32 else 0.3  # the norm's sum order: an ulp here and there
+    assert_matches(qkv[:, :width], ref_q, max_mismatch_frac=frac)
+    assert_matches(qkv[:, width:2 * width], ref_k, max_mismatch_frac=frac)
+    assert torch.equal(qkv[:, 2 * width:], ref_v), "values must stay untouched"
+    with pytest.raises(ValueError, match="weights and biases"):
+        head_norm_rotary_inplace(qkv, cos, sin, heads, heads, head_dim, norms[0], (norms[1][0][:-1], norms[1][1]),
+                                 1e-5)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
 def test_rotary_qk_fp32_math_matches_the_vision_rotary(device, dtype):
     from flashvlm.models.vision.qwen_vit import apply_vision_rotary, vision_position_ids, vision_rotary
 

@@ -96,12 +96,16 @@ def test_fused_rotary_feeds_strided_queries_to_the_kernels(build, tmp_path, monk
 
 
 def test_fuyu_on_the_triton_backend_with_the_partial_rotary_kernel(tmp_path, monkeypatch) -> None:
-    """Fuyu's Persimmon decoder (head dim 16, half of it rotating) on the Triton attention backend, its partial
-    rotary through the fused kernel (forced on for CPU tensors too), chunked prefill through its image: the
+    """Fuyu's Persimmon decoder (head dim 16, half of it rotating) on the Triton attention backend, its QK-norm and
+    partial rotary through one fused kernel (forced on for CPU tensors too), chunked prefill through its image: the
     reference backend's torch path's greedy tokens."""
+    import flashvlm.kernels.head_norm_rotary as fused_mod
     import flashvlm.layers.rotary as rotary_mod
     from flashvlm.kernels import dispatch
     from flashvlm.testing.tiny_checkpoints import build_fuyu
+
+    fused: list[int] = []
+    head_norm_rotary = fused_mod.head_norm_rotary_inplace
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = str(build_fuyu(tmp_path / "fuyu", seed=13))
@@ -117,14 +121,17 @@ def test_fuyu_on_the_triton_backend_with_the_partial_rotary_kernel(tmp_path, mon
                 return enabled is not False and (x.is_cuda or dispatch.interpreter_active())
 
             monkeypatch.setattr(rotary_mod, "use_triton", on_cpu_too)
+            monkeypatch.setattr(fused_mod, "head_norm_rotary_inplace",
+                                lambda *a: fused.append(1) or head_norm_rotary(*a))
         llm = LLM(path, device=device, dtype="float32", kv_cache_tokens=1024, max_num_batched_tokens=24,
                   attention_backend=backend, kernel_backend="torch", enforce_eager=True)
         if backend == "triton":
             for layer in llm.engine.runner.model.modules():
                 if hasattr(layer, "query_key_value"):
-                    layer.use_triton_kernels = True  # the rotary only; norms and GEMVs stay on torch
+                    layer.use_triton_kernels = True  # QK-norm + rotary only; the other norms and GEMVs on torch
         outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
-    assert calls and any(c is True for c in calls), "the partial rotary kernel never ran"
+    assert calls and any(c is True for c in calls), "the QK-norm + partial rotary kernel never ran"
+    assert fused, "the per-head LayerNorm and the partial rotary did not run in one launch"
     assert outs["triton"] == outs["reference"]
 
 
