@@ -8,6 +8,7 @@ pictures resize in parallel. With one thread everything runs inline, in order.""
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -25,11 +26,24 @@ _POOL_SIZE = min(8, os.cpu_count() or 1)
 calling thread included). 8 already split a 16-frame video into two frames a worker."""
 
 
+_POOL_LOCK = threading.Lock()
+"""The server's image threads may ask for the pool at once: one of them makes it."""
+
+
+def _after_fork_in_child() -> None:
+    global _POOL_LOCK
+    _POOL_LOCK = threading.Lock()  # a fork while another thread held it must not leave the child's copy locked
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _pool() -> ThreadPoolExecutor:
     global _POOL
-    if _POOL is None or _POOL[0] != os.getpid():
-        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=_POOL_SIZE, thread_name_prefix="flashvlm-resize"))
-    return _POOL[1]
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():
+            _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=_POOL_SIZE, thread_name_prefix="flashvlm-resize"))
+        return _POOL[1]
 
 
 def run_parallel(jobs: Sequence[Callable[[], T]]) -> list[T]:

@@ -49,6 +49,14 @@ def pipeline_eligible(out: SchedulerOutput, batch: DecodeBatch) -> bool:
                for s in out.scheduled)
 
 
+def ranks_agree_ahead(out: SchedulerOutput, tensor_parallel_size: int) -> bool:
+    """Whether every rank of a tensor-parallel engine picks the same tokens for a step launched ahead. Each rank
+    feeds its own picks to the next step, and only rank 0 holds the grammar matchers: with tensor_parallel_size > 1
+    a constrained row keeps its batch off the lookahead (the workers then take rank 0's tokens from the step)."""
+    return tensor_parallel_size == 1 or all(s.request.sampling_params.structured_outputs is None
+                                            for s in out.scheduled)
+
+
 def _plain_argmax(out: SchedulerOutput, steps_ahead: int) -> bool:
     """Whether every row's token `steps_ahead` steps after `out`'s is the plain argmax of its logits."""
     return all(Sampler.is_plain_argmax(s.request.sampling_params, len(s.request.output_token_ids) + steps_ahead)

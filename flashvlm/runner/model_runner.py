@@ -26,6 +26,7 @@ from flashvlm.runner.executor import ExecutionPath, StepExecutor, StepPlan
 from flashvlm.runner.inputs import PositionStore
 from flashvlm.runner.kv_scales import CALIBRATION_TOKENS, calibration_amax, resolve_kv_scales
 from flashvlm.runner.logprobs import PendingLogprobs, gather_logprobs, read_back
+from flashvlm.runner.lookahead import ranks_agree_ahead
 from flashvlm.runner.memory_planner import MemoryPlanner
 from flashvlm.runner.pruned_tokens import KeptTokens
 from flashvlm.runner.sampler import Sampler, SamplerInputs, make_generator
@@ -168,7 +169,8 @@ class ModelRunner:
         timer, previous_timer = self._forward_timers[self._step_parity], self._forward_timers[1 - self._step_parity]
         self._step_parity ^= 1
         t_plan = time.perf_counter()
-        plan = self.executor.plan(out, self.positions, allow_lookahead=not self.record_logits)
+        allow_lookahead = not self.record_logits and ranks_agree_ahead(out, self.config.tensor_parallel_size)
+        plan = self.executor.plan(out, self.positions, allow_lookahead=allow_lookahead)
         prepare_s = time.perf_counter() - t_plan
         # Started after the host built the inputs, so an idle GPU waiting on that host work is not counted busy.
         timer.start()

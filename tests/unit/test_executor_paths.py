@@ -123,3 +123,16 @@ def test_greedy_rows_with_a_logits_processor_keep_the_lookahead() -> None:
     assert plan.path is ExecutionPath.LOOKAHEAD and plan.batch.num_seqs == 3 and pipeline.drops == 0
     out, positions = _step(2, temperature=0.7)
     assert ex.plan(out, positions).path is ExecutionPath.DECODE_GRAPH and pipeline.drops == 1
+
+
+def test_tensor_parallel_ranks_keep_constrained_rows_off_the_lookahead() -> None:
+    # Each rank feeds its own picks to the step launched ahead, and only rank 0 holds the grammar matchers: the
+    # workers would feed unmasked tokens. min_tokens and repetition penalties are mirrored to every rank.
+    from flashvlm.runner.lookahead import ranks_agree_ahead
+    from flashvlm.structured.params import StructuredOutputsParams
+
+    out, _ = _step(2)
+    out.scheduled[0].request.sampling_params.min_tokens = 4
+    assert ranks_agree_ahead(out, 1) and ranks_agree_ahead(out, 2)
+    out.scheduled[1].request.sampling_params.structured_outputs = StructuredOutputsParams(regex="[a-z]+")
+    assert ranks_agree_ahead(out, 1) and not ranks_agree_ahead(out, 2)
