@@ -67,20 +67,21 @@ def _masked_greedy_kernel(logits_ptr, logits_stride, bitmask_ptr, bitmask_stride
     tl.store(out_ptr + row, tl.where(top > float("-inf"), answer, fallback).to(tl.int64))
 
 
-def masked_greedy_triton(logits: torch.Tensor, bitmask: torch.Tensor, mask_rows: torch.Tensor,
+def masked_greedy_triton(logits: torch.Tensor, bitmask: torch.Tensor | None, mask_rows: torch.Tensor,
                          banned: torch.Tensor) -> torch.Tensor:
     """(B,) int64 greedy tokens of `logits` (B, V).
 
-    bitmask: (R, W) int32 on the logits' device, bit t % 32 of word t // 32 set = token t allowed (tokens past 32 *
-    W disallowed); mask_rows: (B,) int32, the bitmask row of each logits row, -1 for an unconstrained row;
-    banned: (B, S) int64, each row's banned token ids padded with -1 (S may be 0)."""
+    bitmask: (R, W) int32 on the logits' device, bit t % 32 of word t // 32 set = token t allowed (tokens past
+    32 * W disallowed), or None when no row is constrained; mask_rows: (B,) int32, the bitmask row of each logits
+    row, -1 for an unconstrained row; banned: (B, S) int64, each row's banned token ids padded with -1 (S may be
+    0)."""
     num_rows, vocab = logits.shape
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    if bitmask.numel() == 0:  # no row is constrained; the kernel still needs a pointer
+    if bitmask is None:  # no row is constrained; the kernel still needs a pointer
         bitmask = torch.zeros((1, 1), dtype=torch.int32, device=logits.device)
     num_banned = banned.shape[1]
     if num_banned == 0:

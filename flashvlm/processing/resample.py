@@ -19,8 +19,8 @@ from PIL import Image
 
 T = TypeVar("T")
 
-_POOL: tuple[int, ThreadPoolExecutor] | None = None
-"""(owning process id, pool): a forked child has none of the parent's worker threads, so it makes its own."""
+_POOL: ThreadPoolExecutor | None = None
+"""Made on first use; a forked child has none of the parent's worker threads, so it forgets the pool."""
 _POOL_SIZE = min(8, os.cpu_count() or 1)
 """Workers of the shared pool; a call uses at most torch.get_num_threads() of them (the caller's CPU budget, the
 calling thread included). 8 already split a 16-frame video into two frames a worker."""
@@ -31,8 +31,9 @@ _POOL_LOCK = threading.Lock()
 
 
 def _after_fork_in_child() -> None:
-    global _POOL_LOCK
-    _POOL_LOCK = threading.Lock()  # a fork while another thread held it must not leave the child's copy locked
+    global _POOL, _POOL_LOCK
+    # A fork while another thread held the lock must not leave the child's copy locked.
+    _POOL, _POOL_LOCK = None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -41,9 +42,9 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
-        if _POOL is None or _POOL[0] != os.getpid():
-            _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=_POOL_SIZE, thread_name_prefix="flashvlm-resize"))
-        return _POOL[1]
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=_POOL_SIZE, thread_name_prefix="flashvlm-resize")
+        return _POOL
 
 
 def run_parallel(jobs: Sequence[Callable[[], T]]) -> list[T]:

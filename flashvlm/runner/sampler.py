@@ -162,16 +162,15 @@ class Sampler:
 
         device = logits.device
         mask_rows = [-1] * len(rows)
-        bitmask = torch.zeros((0, 1), dtype=torch.int32)
+        bitmask = None
         if rows.token_mask is not None:
             for j, i in enumerate(rows.token_mask.rows):
                 mask_rows[i] = j
-            bitmask = rows.token_mask.bitmask
+            bitmask = host_to_device(rows.token_mask.bitmask, torch.int32, device)
         banned = banned_stop_tokens(rows.params, rows.num_output_tokens, rows.eos_token_ids, logits.shape[1])
         width = max(map(len, banned), default=0)
         table = [b + [-1] * (width - len(b)) for b in banned]
-        return masked_greedy_triton(logits, host_to_device(bitmask, torch.int32, device),
-                                    host_to_device(mask_rows, torch.int32, device),
+        return masked_greedy_triton(logits, bitmask, host_to_device(mask_rows, torch.int32, device),
                                     host_to_device(table, torch.int64, device).view(len(rows), width))
 
     # --- logits processors --------------------------------------------------------------------
