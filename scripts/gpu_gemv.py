@@ -1,8 +1,10 @@
 """Decode projections at batch 1-16: cuBLAS (F.linear) against our Triton GEMV over a grid of tile
-configs, at Qwen2-VL-7B's shapes. Prints the best configs per shape and their TB/s; JSON in $OUT/gemv.json.
+configs, at Qwen2-VL-7B's shapes (and, by name, the 4096-wide language models of the other families). Prints the
+best configs per shape and their TB/s; JSON in $OUT/gemv.json.
 
     PYTHONPATH=. python scripts/gpu_gemv.py    # GPU only; env ROWS=1,4 (default 1,4,8,16), SHAPES=qkv,down
-                                               # (default all), GRID=default (only gemv_config's choice)
+                                               # (default Qwen2-7B's five), GRID=default (only gemv_config's
+                                               # choice) or GRID=splits (gemv_config's tiles, K split 1-4)
 
 Timing: each variant is captured in a CUDA graph of REPEAT calls that cycle through copies of the weights
 (> 200 MB in all, so no call finds its matrix in the 50 MB L2), replayed after a warm-up; per-call time is the
@@ -25,12 +27,24 @@ from flashvlm.kernels.gemv import GemvConfig, gemv_config, gemv_reference, gemv_
 OUT = os.environ.get("OUT") or tempfile.mkdtemp()
 REPEAT = 24
 DEFAULT_ONLY = os.environ.get("GRID") == "default"
+SPLITS_ONLY = os.environ.get("GRID") == "splits"
 SHAPES = {  # name: (N, K, bias)
     "qkv": (4608, 3584, True),
     "o_proj": (3584, 3584, False),
     "gate_up": (37888, 3584, False),
     "down": (3584, 18944, False),
     "lm_head": (152064, 3584, False),
+}
+OTHER_SHAPES = {  # Qwen3-8B (Qwen3-VL-8B), Mistral-7B (LLaVA-v1.6-Mistral-7B), Persimmon-8B (Fuyu-8B)
+    "qwen3_qkv": (6144, 4096, False),
+    "h4096_o_proj": (4096, 4096, False),
+    "qwen3_gate_up": (24576, 4096, False),
+    "qwen3_down": (4096, 12288, False),
+    "mistral_gate_up": (28672, 4096, False),
+    "mistral_down": (4096, 14336, False),
+    "persimmon_qkv": (12288, 4096, True),
+    "persimmon_up": (16384, 4096, True),
+    "persimmon_down": (4096, 16384, True),
 }
 GRID = [GemvConfig(bn, bk, split, 4, stages) for bn, bk, split, stages in
         itertools.product((32, 64), (128, 256), (1, 2, 3, 4, 6, 8), (3, 4))] + [
@@ -86,7 +100,13 @@ def bench_shape(name: str, n: int, k: int, has_bias: bool, rows_list: list[int],
             return gemv_triton(x, ws[i], bias, config=cfg, locks=locks)
 
         rows_out = [{"variant": "cublas", "us": graph_us(cublas, copies)}]
-        grid = GRID if rows == 1 and not DEFAULT_ONLY else [gemv_config(n, k)] + [
+        if SPLITS_ONLY:
+            tiles = gemv_config(n, k)
+            grid = [tiles._replace(split_k=split) for split in (1, 2, 3, 4)]
+        elif rows == 1 and not DEFAULT_ONLY:
+            grid = GRID
+        else:
+            grid = [gemv_config(n, k)] + [
             GemvConfig(*c) for c in res.get(f"{name}/1/top", [])]
         for cfg in grid:
             try:
@@ -118,7 +138,7 @@ def main() -> None:
     res: dict = {}
     names = os.environ.get("SHAPES", ",".join(SHAPES)).split(",")
     for name in names:
-        bench_shape(name, *SHAPES[name], rows_list, res)
+        bench_shape(name, *{**SHAPES, **OTHER_SHAPES}[name], rows_list, res)
     with open(os.path.join(OUT, "gemv.json"), "w") as f:
         json.dump(res, f, indent=1)
 

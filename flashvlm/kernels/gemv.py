@@ -150,14 +150,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, k_pe
                   rows, row_ok, cols, col_ok, N, ROWS, BLOCK_N, SPLIT, False, HAS_BIAS)
 
 
-def gemv_config(n: int, k: int) -> GemvConfig:
-    """Tile config for a (<= 16 rows) x (k x n) product, from scripts/gpu_gemv.py on the H200 (Qwen2-7B's shapes,
-    1-16 rows): wide matrices (gate/up, lm_head) 64 x 128 tiles with 3 stages; narrow ones 64 x 256 with 4, K split
-    in two when there are fewer than 64 column blocks (o_proj: 10.4 against cuBLAS's 11.5 us; down: 36.2
-    against 37.9)."""
+def gemv_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
+    """Tile config for a (<= 16 rows) x (k x n) product, from scripts/gpu_gemv.py on the H200 (132 SMs; 1-16 rows;
+    Qwen2-7B's shapes and the 4096-wide Qwen3-8B, Mistral-7B and Persimmon-8B): wide matrices (gate/up, lm_head)
+    64 x 128 tiles with 3 stages; narrow ones 64 x 256 with 4, K split in two when the column blocks would occupy
+    at most half the SMs (o_proj 3584 x 3584: 10.3 against cuBLAS's 11.5 us; down 3584 x 18944: 36.2 against
+    38.8; down 4096 x 12288: 27.6 against 34.7 unsplit; 4096 x 14336: 31.6 against 40.3). QKV 4608 x 3584 (72
+    blocks) is fastest unsplit (11.4 against 14.8 us split in three)."""
     if n >= 16384:
         return GemvConfig(64, 128, 1, 4, 3)
-    return GemvConfig(64, 256, 2 if triton.cdiv(n, 64) < 64 and k >= 1024 else 1, 4, 4)
+    return GemvConfig(64, 256, 2 if 2 * triton.cdiv(n, 64) <= num_sms and k >= 1024 else 1, 4, 4)
 
 
 def gemv_lock_count(n: int, config: GemvConfig) -> int:

@@ -100,12 +100,14 @@ def test_gemv_rejects_bad_shapes(device, dtype):
         gemv_triton(x, w, config=GemvConfig(16, 16, split_k=2), locks=torch.zeros(1, device=device))
 
 
-def test_gemv_config_at_qwen2_7b_shapes():
+def test_gemv_config_at_measured_shapes():
     """The measured choices: wide matrices never split; narrow ones with few column blocks split K in two."""
     assert gemv_config(37888, 3584).split_k == gemv_config(152064, 3584).split_k == 1
     assert gemv_config(3584, 3584).split_k == 2
     assert gemv_config(4608, 3584).split_k == 1
     assert gemv_config(3584, 18944).split_k == 2
+    assert gemv_config(4096, 12288).split_k == gemv_config(4096, 4096).split_k == 2  # Qwen3-8B, Mistral-7B
+    assert gemv_config(12288, 4096).split_k == 1  # Persimmon's QKV: 192 column blocks
     assert gemv_config(64, 64).split_k == 1  # too short to split
 
 
