@@ -69,7 +69,8 @@ class Engine:
                                               pruning=PruningChoice(mc.mm_token_pruning, mc.mm_token_keep_ratio,
                                                                     mc.mm_token_dedup_threshold))
         self.eos_token_ids = self.checkpoint.eos_token_ids()
-        self.structured = StructuredOutputs(self.checkpoint.tokenizer, text_cfg.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputs(self.checkpoint.tokenizer, text_cfg.vocab_size, self.eos_token_ids,
+                                            pin_memory=torch.device(config.device).type == "cuda")
         """Constrained requests' grammar matchers (structured outputs): added here, advanced after each update."""
         self.runner = ModelRunner(config, self.model, self.dtype, max_model_len=loaded.max_len,
                                   attention_backend=loaded.attention_backend, structured=self.structured)
@@ -285,7 +286,6 @@ class Engine:
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED, stop_reason=REJECTED_STOP_REASON)
         for rid in ended:
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-        self.structured.prepare(changed)  # the next masks fill while this step's outputs are made
 
     def run_worker_step(self, out: SchedulerOutput, forgotten: list[str]) -> None:
         """Ranks 1..N-1: rank 0's step on this rank's runner (its samples are rank 0's too, and are dropped)."""
@@ -299,7 +299,6 @@ class Engine:
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at size 1); the engine takes no steps after."""
         self.tp.close(graceful=True)
-        self.structured.close()
 
     def _step_record(self, out: SchedulerOutput, timings: StepTimings, t0: float, t_scheduled: float,
                      t_update: float) -> StepRecord:

@@ -184,10 +184,9 @@ def test_bitmask_covers_only_constrained_rows(tokenizer, manager: StructuredOutp
         manager.drop(r.request_id)
 
 
-def test_masks_filled_ahead_equal_masks_filled_at_the_step(tokenizer, manager: StructuredOutputs) -> None:
-    # prepare() fills on the mask thread; the step's bitmask takes those rows when they are for the tokens the
-    # request has now, in the step's order, and fills at once the rows it lacks (a request prepare did not see,
-    # or one whose tokens moved on). Each must equal a fill made at the step itself.
+def test_step_masks_follow_each_requests_own_tokens(tokenizer, manager: StructuredOutputs) -> None:
+    # A step's mask rows are in the step's order, each for the tokens its request has now; they equal the masks of
+    # a manager that saw each request alone.
     eos = tokenizer.eos_token_id
     a, b, c = (_request(r, Constraint(regex=rx), eos) for r, rx in (("a", "[0-9]+x"), ("b", "abcabc"), ("c", "[a-z]+")))
     for r in (a, b, c):
@@ -195,21 +194,29 @@ def test_masks_filled_ahead_equal_masks_filled_at_the_step(tokenizer, manager: S
     a.output_token_ids.append(tokenizer.encode("7", add_special_tokens=False)[0])
     b.output_token_ids.extend(tokenizer.encode("ab", add_special_tokens=False))
     manager.advance([a, b])
-    manager.prepare([b, a])
-    ahead = manager.bitmask([c, a, b])  # step order differs from prepare's; c was not prepared
+    step = manager.bitmask([c, a, b])
     fresh = StructuredOutputs(tokenizer, VOCAB, (eos,))
     for r in (a, b, c):
         fresh.add(r)
         fresh.advance([r])
-    assert ahead.rows == [0, 1, 2] and torch.equal(ahead.bitmask, fresh.bitmask([c, a, b]).bitmask)
-    manager.prepare([a, b])
+    assert step.rows == [0, 1, 2]
+    for row, r in enumerate((c, a, b)):
+        assert torch.equal(step.bitmask[row], fresh.bitmask([r]).bitmask[0])
+    assert _allowed(step.bitmask, 0) != _allowed(step.bitmask, 1) != _allowed(step.bitmask, 2)
     a.output_token_ids.append(tokenizer.encode("x", add_special_tokens=False)[0])
-    manager.advance([a])  # waits for the fill; its row for a is now stale
-    assert torch.equal(manager.bitmask([a, b]).bitmask, (fresh.advance([a]), fresh.bitmask([a, b]))[1].bitmask)
+    manager.advance([a])
     assert _allowed(manager.bitmask([a]).bitmask) == {eos}
     for r in (a, b, c):
         manager.drop(r.request_id)
-    fresh.close()
+
+
+def test_masks_in_pinned_memory_when_asked(tokenizer) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("pinned memory needs CUDA")
+    pinned = StructuredOutputs(tokenizer, VOCAB, (tokenizer.eos_token_id,), pin_memory=True)
+    req = _request("p", Constraint(regex="[0-9]+"), tokenizer.eos_token_id)
+    pinned.add(req)
+    assert pinned.bitmask([req]).bitmask.is_pinned()
 
 
 @pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 3], [0]])
