@@ -15,6 +15,19 @@ class TensorParallelError(RuntimeError):
     """A rank of the tensor-parallel group failed (start-up, a step, a timed-out collective)."""
 
 
+def _forget_failed_init() -> None:
+    """torch names the default group from a process-wide counter, which a failed init_process_group has already
+    advanced (distributed_c10d._process_group_name). The next engine's workers are fresh processes that name
+    theirs '0', so rank 0, in the caller's process, would wait on another name and its rendezvous would time out.
+    With no default group left, the counter goes back to where destroy_process_group leaves it."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    world = getattr(distributed_c10d, "_world", None)
+    if not dist.is_initialized() and hasattr(world, "group_count"):
+        world.group_count = 0
+
+
 class TPGroup:
     def __init__(self, rank: int = 0, size: int = 1, device_group: Any = None, cpu_group: Any = None) -> None:
         self.rank, self.size = rank, size
@@ -30,7 +43,11 @@ class TPGroup:
 
         backend = "nccl" if device.startswith("cuda") else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
+        try:
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
+        except BaseException:
+            _forget_failed_init()
+            raise
         cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
         return cls(rank, size, dist.group.WORLD, cpu_group)
 

@@ -75,8 +75,13 @@ class TensorParallel:
                 commands.append(command)
             tp._wait_started(max(config.distributed_timeout_s, _START_S))
             tp.group = TPGroup.join(0, size, init_method, config.device, config.distributed_timeout_s)
-        except BaseException:
+        except BaseException as e:
+            # A worker that fails while the group is being joined breaks or stalls rank 0's rendezvous (a gloo
+            # error, or the store's wait timing out): the worker's own message says why.
+            message = None if isinstance(e, TensorParallelError) else tp.failure()
             tp.close(graceful=False)
+            if message is not None:
+                raise TensorParallelError(message) from e
             raise
         return tp
 

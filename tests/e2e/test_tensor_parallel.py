@@ -174,6 +174,19 @@ def test_failing_rank_raises_and_leaves_no_process(tmp_path, monkeypatch, where)
     llm.close()
 
 
+def test_a_rank_failing_to_join_is_reported_and_the_next_engine_joins(tmp_path, monkeypatch):
+    """Rank 0 waits in the rendezvous for a worker that died before joining: the worker's message, not the
+    store's timeout; and the failed rendezvous leaves nothing behind that stops the next engine's group (torch's
+    group counter)."""
+    path = build_qwen2_vl(tmp_path / "q")
+    prompts = _prompts(QWEN, 1)
+    with monkeypatch.context() as patch:
+        _fail_rank_1(patch, "join")
+        with pytest.raises(TensorParallelError, match="rank 1 failed: RuntimeError: injected fault at join"):
+            LLM(str(path), tensor_parallel_size=2, **{**OPTIONS, "distributed_timeout_s": 5})
+    assert _tokens(path, 2, prompts) == _tokens(path, 1, prompts)
+
+
 @pytest.mark.slow
 def test_a_model_the_ranks_cannot_split_is_a_config_error(tmp_path):
     """4 attention heads over 3 ranks: rank 0's own error (every rank finds it), not a worker's report."""

@@ -9,13 +9,21 @@ from typing import Any
 
 
 def faulty_worker(where: str, config: Any, rank: int, *args: Any) -> None:
-    """worker_main, with rank 1 failing at `where`: "startup" (building its engine), "step:N" (raising in its Nth
-    step) or "hang-step:N" (its Nth step never returning)."""
+    """worker_main, with rank 1 failing at `where`: "join" (before it joins the group, so rank 0's rendezvous
+    waits for it), "startup" (building its engine), "step:N" (raising in its Nth step) or "hang-step:N" (its Nth
+    step never returning)."""
     from flashvlm.distributed import workers
     from flashvlm.engine.engine import Engine
 
     if rank == 1:
-        if where == "startup":
+        if where == "join":
+            from flashvlm.distributed.group import TPGroup
+
+            def refuse_join(*_: Any, **__: Any) -> None:
+                raise RuntimeError("injected fault at join")
+
+            TPGroup.join = refuse_join  # type: ignore[method-assign,assignment]
+        elif where == "startup":
             def refuse(*_: Any, **__: Any) -> None:
                 raise RuntimeError("injected fault at startup")
 
