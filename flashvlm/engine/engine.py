@@ -67,7 +67,8 @@ class Engine:
                                               pixel_cache_bytes=PIXEL_CACHE_BYTES if caching else 0,
                                               preprocess_device=config.device if config.preprocess_on_gpu else None,
                                               pruning=PruningChoice(mc.mm_token_pruning, mc.mm_token_keep_ratio,
-                                                                    mc.mm_token_dedup_threshold))
+                                                                    mc.mm_token_dedup_threshold),
+                                              resize_on_device=torch.device(config.device).type == "cuda")
         self.eos_token_ids = self.checkpoint.eos_token_ids()
         self.structured = StructuredOutputs(self.checkpoint.tokenizer, text_cfg.vocab_size, self.eos_token_ids,
                                             pin_memory=torch.device(config.device).type == "cuda")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flashvlm.models.loader import Checkpoint
@@ -64,7 +64,8 @@ class InputProcessor:
 
     def __init__(self, checkpoint: Checkpoint, vocab_size: int, image_token_id: int,
                  max_images_per_prompt: int = 16, pixel_cache_bytes: int = 256 << 20,
-                 preprocess_device: str | None = None, pruning: PruningChoice = NO_PRUNING) -> None:
+                 preprocess_device: str | None = None, pruning: PruningChoice = NO_PRUNING,
+                 resize_on_device: bool = False) -> None:
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
         self.vocab_size = vocab_size
@@ -72,6 +73,9 @@ class InputProcessor:
         self.max_images_per_prompt = max_images_per_prompt
         self.image_inputs = checkpoint.family.image_inputs(checkpoint)
         """The model family's image part: one picture to one MMItem."""
+        if resize_on_device and hasattr(self.image_inputs, "resize_where_decoded"):
+            # The engine finishes compact pixels on a GPU: the family may leave its resize to it as well.
+            self.image_inputs = replace(self.image_inputs, resize_where_decoded=True)
         self.image_processor = self.image_inputs.processor
         self.video_inputs = checkpoint.family.video_inputs(checkpoint)
         """The family's video part (processing/qwen_video.py), None for a model without video input."""

@@ -1,10 +1,12 @@
 """Qwen2-VL / Qwen2.5-VL images: smart-resize to multiples of patch * merge, patchify to flat rows (HF's
 Qwen2VLImageProcessor, PIL backend; see `preprocess.py` for the order of operations), and the `MMItem`s they make:
 the (t, h, w) patch grid is the item's layout, and the host keeps the resized uint8 image, which the runner
-finishes on the GPU (`decode_compact`)."""
+finishes on the GPU (`decode_compact`). For a GPU engine the host may keep the picture as it came instead, and
+the runner resizes it there, bit for bit as Pillow does (`decode_source`, processing/device_resize.py)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from flashvlm.processing.device_resize import resize_like_pillow, supports
 from flashvlm.processing.hashing import hash_pixels
 from flashvlm.processing.preprocess import (
     PixelSettings,
@@ -165,6 +168,11 @@ class QwenImageProcessor(PixelSettings):
         t = self.temporal_patch_size
         return values.view(n, c, 1, per_channel).expand(n, c, t, per_channel).reshape(n, c * t * per_channel)
 
+    def decode_source(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """uint8 (H, W, C) as the picture came -> what `preprocess` returns for it: resized to (height, width)
+        where it is, as Pillow would (processing/device_resize.py), then `decode_compact`."""
+        return self.decode_compact(resize_like_pillow(x, height, width, self.resample))
+
     def _resized(self, img: Image.Image, min_pixels: int | None, max_pixels: int | None) -> Image.Image:
         img = to_rgb(img)
         h, w = self.target_size(img.height, img.width, min_pixels, max_pixels)
@@ -198,12 +206,23 @@ class QwenImageInputs:
     """Qwen's `preprocess.ImageInputs`: items whose layout is the (t, h, w) patch grid."""
 
     processor: QwenImageProcessor
+    resize_where_decoded: bool = False
+    """Leave a picture's resize to the device that finishes its pixels (the engine's GPU: a few launches there
+    against ~16 ms of Pillow on the host for 1008x756 -> 1024x768), where the filter allows (`device_resize.supports`)
+    and the picture has at most MAX_DEFERRED_SCALE times the resized one's pixels (a larger one crosses to the
+    device resized, smaller)."""
+
+    MAX_DEFERRED_SCALE = 2
 
     def make_item(self, image: SourceImage, kwargs: dict, cache: PixelCache, device: str | None) -> MMItem:
         mm_hash, pixels, grid, worth_keeping = self._pixels(image, kwargs, cache, device)
         if worth_keeping:
             cache.put(mm_hash, pixels, grid)
-        decoder = self.processor.decode_compact if pixels.dtype == torch.uint8 else None
+        decoder = None
+        if pixels.dtype == torch.uint8:
+            size = self._grid_size(grid)
+            decoder = (self.processor.decode_compact if tuple(pixels.shape[:2]) == size
+                       else functools.partial(self.processor.decode_source, height=size[0], width=size[1]))
         return MMItem(mm_hash=mm_hash, pixel_values=pixels, num_tokens=self.processor.num_image_tokens(grid),
                       layout=grid, image_size=image.size, pixel_decoder=decoder)
 
@@ -216,6 +235,10 @@ class QwenImageInputs:
         return MMItem(mm_hash="memory-profile", pixel_values=pixels, num_tokens=proc.num_image_tokens(grid),
                       layout=grid)
 
+    def _grid_size(self, grid: Sequence[int]) -> tuple[int, int]:
+        """(height, width) of the resized picture of a (t, h, w) patch grid."""
+        return grid[1] * self.processor.patch_size, grid[2] * self.processor.patch_size
+
     def token_grid(self, item: MMItem) -> TokenGrid:
         """The (t, h, w) patch grid divided by the merge size: the patch merger folds each merge x merge window
         into one token, and the windows come in raster order (`_patchify`)."""
@@ -226,6 +249,10 @@ class QwenImageInputs:
         compact image or from the model-ready rows (whose merge^2 rows a token are consecutive, `_patchify`)."""
         proc, pixels = self.processor, item.pixel_values
         if pixels.dtype == torch.uint8:
+            size = self._grid_size(item.layout)
+            if tuple(pixels.shape[:2]) != size:  # the picture as it came: resized here as the device would
+                resized = Image.fromarray(pixels.numpy()).resize(size[::-1], resample=proc.resample)
+                pixels = torch.from_numpy(np.array(resized, dtype=np.uint8))
             return token_blocks(pixels, proc.factor)
         levels = pixel_levels(pixels.reshape(pixels.shape[0], 3, -1), proc, channel_dim=1)
         return levels.reshape(pixels.shape[0] // proc.merge_size ** 2, -1)
@@ -243,17 +270,20 @@ class QwenImageInputs:
         lo, hi = kwargs.get("min_pixels"), kwargs.get("max_pixels")
         params = proc.processor_params(lo, hi)  # validates the overrides
         width, height = image.size
-        resized = qwen_target_size(proc, height, width, lo, hi) != (height, width)
+        target = qwen_target_size(proc, height, width, lo, hi)
+        resized = target != (height, width)
         # The RGB bytes (load_image always gives RGB), read once for the hash and, without a resize, the pixels.
         raw = image.array if image.array is not None else image.pil.tobytes()
         mm_hash = hash_pixels("RGB", width, height, params, raw)
         cached = cache.get(mm_hash)
         if cached is not None:
             return mm_hash, *cached, False
-        if not resized and device is None:  # already the compact image: the runner finishes it
+        deferred = (resized and device is None and self.resize_where_decoded and supports(proc.resample)
+                    and height * width <= self.MAX_DEFERRED_SCALE * target[0] * target[1])
+        if deferred or (not resized and device is None):  # the runner resizes (if need be) and finishes it
             # A bytearray copy: torch wants writable memory, and an array's owner may reuse it.
             pixels = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(height, width, 3)
-            return mm_hash, pixels, (1, height // proc.patch_size, width // proc.patch_size), False
+            return mm_hash, pixels, (1, target[0] // proc.patch_size, target[1] // proc.patch_size), False
         img = image.to_pil()  # an array is resized like any other picture
         if device is None:  # the compact uint8 image; the runner finishes it on its device
             return mm_hash, *proc.preprocess_compact(img, min_pixels=lo, max_pixels=hi), True
