@@ -106,8 +106,7 @@ def bench_shape(name: str, n: int, k: int, has_bias: bool, rows_list: list[int],
         elif rows == 1 and not DEFAULT_ONLY:
             grid = GRID
         else:
-            grid = [gemv_config(n, k)] + [
-            GemvConfig(*c) for c in res.get(f"{name}/1/top", [])]
+            grid = [gemv_config(n, k)] + [GemvConfig(*c) for c in res.get(f"{name}/1/top", [])]
         for cfg in grid:
             try:
                 err = (triton_gemv(0, cfg).float() - ref).abs().max().item()

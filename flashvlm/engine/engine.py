@@ -63,15 +63,16 @@ class Engine:
         text_cfg = self.checkpoint.text_config
         # "Caching off" (both caches off) also turns off the preprocessed-pixel cache: a cold baseline.
         caching = cache.enable_prefix_caching or cache.encoder_cache_tokens > 0
+        on_gpu = torch.device(config.device).type == "cuda"
         self.input_processor = InputProcessor(self.checkpoint, text_cfg.vocab_size, self.model.image_token_id,
                                               pixel_cache_bytes=PIXEL_CACHE_BYTES if caching else 0,
                                               preprocess_device=config.device if config.preprocess_on_gpu else None,
                                               pruning=PruningChoice(mc.mm_token_pruning, mc.mm_token_keep_ratio,
                                                                     mc.mm_token_dedup_threshold),
-                                              resize_on_device=torch.device(config.device).type == "cuda")
+                                              resize_on_device=on_gpu)
         self.eos_token_ids = self.checkpoint.eos_token_ids()
         self.structured = StructuredOutputs(self.checkpoint.tokenizer, text_cfg.vocab_size, self.eos_token_ids,
-                                            pin_memory=torch.device(config.device).type == "cuda")
+                                            pin_memory=on_gpu)
         """Constrained requests' grammar matchers (structured outputs): added here, advanced after each update."""
         self.runner = ModelRunner(config, self.model, self.dtype, max_model_len=loaded.max_len,
                                   attention_backend=loaded.attention_backend, structured=self.structured)

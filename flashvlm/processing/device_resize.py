@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from flashvlm.runner.sampler import host_to_device
+
 _PRECISION_BITS = 32 - 8 - 2
 """Fractional bits of the fixed-point weights (Pillow's: 8 bits of result, two of headroom for negative lobes)."""
 
@@ -78,12 +80,6 @@ def _window_weights(in_size: int, out_size: int, resample: int) -> tuple[np.ndar
     return lo, fixed
 
 
-def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device` without waiting for the device's queued work (pinned, queued behind it)."""
-    t = torch.from_numpy(np.ascontiguousarray(array))
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
-
-
 @functools.lru_cache(maxsize=256)
 def _axis_tables(in_size: int, out_size: int, resample: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(input index, weight) per tap and output sample, (taps, out_size) each, on `device`: a picture size seen
@@ -92,7 +88,8 @@ def _axis_tables(in_size: int, out_size: int, resample: int, device: torch.devic
     taps = weights.shape[1]
     # Window entries past an input's end carry weight 0; their index is clamped only so the gather stays inside.
     index = np.minimum(starts[:, None] + np.arange(taps)[None, :], in_size - 1)
-    return _to(index.T, device), _to(weights.T, device)
+    return (host_to_device(np.ascontiguousarray(index.T), torch.int64, device),
+            host_to_device(np.ascontiguousarray(weights.T), torch.int32, device))
 
 
 def _resample_axis(x: torch.Tensor, axis: int, out_size: int, resample: int) -> torch.Tensor:
