@@ -10,7 +10,7 @@ input samples. A window's weights are the filter at the input samples' distances
 fixed point with 22 fractional bits. A pass adds half a unit, shifts right by 22 and clamps to 0..255, so the
 first pass is rounded to uint8 before the second reads it, and which runs first matters: Pillow 13
 (pyproject.toml's range) takes the height first when it shrinks by more than twice as many pixels as the width,
-else the width (`_height_first`; Pillow 12 and older always the width).
+else the width; Pillow 12 and older always the width first (`_height_first` follows the installed one).
 
 The weights are computed on the host with the same double operations in the same order (`_window_weights`); the
 passes are integer sums, exact on every device (int32, wrapping as Pillow's C ints would). Only filters whose
@@ -23,6 +23,7 @@ import functools
 import math
 
 import numpy as np
+import PIL
 import torch
 from PIL import Image
 
@@ -30,6 +31,8 @@ from flashvlm.runner.sampler import host_to_device
 
 _PRECISION_BITS = 32 - 8 - 2
 """Fractional bits of the fixed-point weights (Pillow's: 8 bits of result, two of headroom for negative lobes)."""
+_PILLOW_MAJOR = int(PIL.__version__.split(".")[0])
+"""Pillow 13 changed which axis goes first; the passes follow the Pillow that resizes on the host."""
 
 
 def _bilinear(x: np.ndarray) -> np.ndarray:
@@ -106,7 +109,9 @@ def _resample_axis(x: torch.Tensor, axis: int, out_size: int, resample: int) -> 
 
 
 def _height_first(height: int, width: int, out_height: int, out_width: int) -> bool:
-    """Whether Pillow 13 resizes the height before the width for this change of size."""
+    """Whether the installed Pillow resizes the height before the width for this change of size."""
+    if _PILLOW_MAJOR < 13:
+        return False
     shrink = height - out_height
     return shrink > 0 and shrink > (width - out_width) * 2
 

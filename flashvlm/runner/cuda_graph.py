@@ -31,11 +31,11 @@ from flashvlm.runner.inputs import DecodeBatch
 logger = logging.getLogger(__name__)
 
 
-def capture_graph(fn: Callable[[], Any], pool: Any = None,
-                  error_mode: str = "global") -> tuple[torch.cuda.CUDAGraph, Any, Any]:
-    """Warm `fn` up twice (Triton compiles, allocations settle), then capture it into `pool` (None: a new one).
-    Returns the graph, the pool it used and fn's outputs, which the graph overwrites on every replay."""
-    for _ in range(2):
+def capture_graph(fn: Callable[[], Any], pool: Any = None, error_mode: str = "global",
+                  warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, Any, Any]:
+    """Run `fn` `warmups` times (Triton compiles, allocations settle), then capture it into `pool` (None: a new
+    one). Returns the graph, the pool it used and fn's outputs, which the graph overwrites on every replay."""
+    for _ in range(warmups):
         fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -109,7 +109,10 @@ class _CudaGraph:
 
     def capture(self, fn: Callable[[], list[torch.Tensor]], pool: Any) -> list[torch.Tensor]:
         # thread_local: image preprocessing threads (--preprocess-on-gpu) may issue CUDA calls meanwhile.
-        self.graph, self.pool, outputs = capture_graph(fn, pool, error_mode="thread_local")
+        # No warm-up runs: a shape is captured the second time it comes, so its kernels compiled and its
+        # allocations happened at the first; each eager run would add ~30 ms and its thousand launches to the
+        # request that pays for the capture.
+        self.graph, self.pool, outputs = capture_graph(fn, pool, error_mode="thread_local", warmups=0)
         return outputs
 
     def replay(self) -> None:

@@ -4,6 +4,7 @@ with an eager stand-in for the CUDA graph: replay re-runs the captured function 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from flashvlm import LLM
@@ -107,3 +108,27 @@ def test_graph_keeps_its_index_tensors_and_failed_captures_stay_eager(tmp_path) 
         for got, want in zip(failing(batch), model.encode_images(batch)):
             torch.testing.assert_close(got, want)
     assert failing.num_captures == 0 and len(failing._failed) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.inference_mode()
+def test_cuda_graph_captured_without_warm_up_runs_equals_the_eager_tower(tmp_path) -> None:
+    """The real CUDA graph, captured with no warm-up runs on a shape's second sight (its first ran eagerly), one
+    and two images a batch: every replay equals the eager tower on new pixels and no capture failed."""
+    llm = LLM(str(build_qwen2_vl(tmp_path / "m", seed=5)), device="cuda", kv_cache_tokens=4096, dtype="bfloat16",
+              enforce_eager=True)
+    engine, model = llm.engine, llm.engine.runner.model
+    graphs = VisionGraphs(model.encode_images, torch.device("cuda"), torch.bfloat16)
+    rng = np.random.default_rng(6)
+
+    def batch(n: int):
+        imgs = [rng.integers(0, 256, (84, 112, 3), np.uint8) for _ in range(n)]
+        prompt = "<|vision_start|><|image_pad|><|vision_end|>" * n + "x"
+        return engine.process_prompt({"prompt": prompt, "images": imgs}).mm_items
+
+    for n in (1, 2):
+        for _ in range(4):  # eager; captured and replayed; replayed twice
+            items = batch(n)
+            for got, want in zip(graphs(items), model.encode_images(items)):
+                torch.testing.assert_close(got, want)
+    assert (graphs.num_captures, graphs.num_replays, len(graphs._failed)) == (2, 6, 0)
