@@ -6,7 +6,7 @@ import enum
 import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -164,6 +164,12 @@ class MMItem:
         """pixel_values as the vision tower takes them (on `device`, if given)."""
         pixels = self.pixel_values if device is None else self.pixel_values.to(device, non_blocking=True)
         return pixels if self.pixel_decoder is None else self.pixel_decoder(pixels)
+
+    def finished(self, device: Any) -> MMItem:
+        """This item with model-ready pixels on `device` (itself when they already are model-ready)."""
+        if self.pixel_decoder is None:
+            return self
+        return replace(self, pixel_values=self.model_pixels(device), pixel_decoder=None)
 
 
 class RequestStatus(enum.Enum):

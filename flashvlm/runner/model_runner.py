@@ -7,7 +7,6 @@ per-request state (positions, generators), runs the vision tower and times the s
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -260,8 +259,7 @@ class ModelRunner:
             return ()
         encoded = tuple(items)
         # Compact pixels (the resized uint8 image) cross to the device as they are and are finished there.
-        items = [dataclasses.replace(it, pixel_values=it.model_pixels(self.device), pixel_decoder=None)
-                 if it.pixel_decoder is not None else it for it in items]
+        items = [it.finished(self.device) for it in items]
         encode = self.vision_graphs if self.vision_graphs is not None else self.model.encode_images
         for item, emb in zip(items, encode(items)):
             if emb.shape[0] != item.encoder_tokens:

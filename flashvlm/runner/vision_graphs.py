@@ -59,6 +59,9 @@ class VisionGraphs:
         return tuple((tuple(torch.as_tensor(it.pixel_values).shape), it.layout, it.encoder_tokens) for it in items)
 
     def __call__(self, items: list[MMItem]) -> list[torch.Tensor]:
+        # A graph replays its tower on the pixels copied into its input buffers as they are, so compact items
+        # (uint8 pixels that `model_pixels` finishes) are finished first, as the eager tower would.
+        items = [it.finished(self.device) for it in items]
         key = self.key(items)
         entry = self._graphs.get(key)
         if entry is None:

@@ -124,7 +124,7 @@ def test_cuda_graph_captured_without_warm_up_runs_equals_the_eager_tower(tmp_pat
     def batch(n: int):
         imgs = [rng.integers(0, 256, (84, 112, 3), np.uint8) for _ in range(n)]
         prompt = "<|vision_start|><|image_pad|><|vision_end|>" * n + "x"
-        return engine.process_prompt({"prompt": prompt, "images": imgs}).mm_items
+        return engine.process_prompt({"prompt": prompt, "images": imgs}).mm_items  # compact uint8 pixels
 
     for n in (1, 2):
         for _ in range(4):  # eager; captured and replayed; replayed twice
