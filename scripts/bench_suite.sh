@@ -4,11 +4,11 @@
 # plots, logs) under OUT/<tree>/<job>/.
 #
 #   bash scripts/bench_suite.sh [--out DIR] [--jobs "latency throughput512 ..."] [--baseline-tree DIR]
-#                               [--model DIR] [--scale F]
+#                               [--model DIR | --benchmark-model NAME] [--scale F]
 #
 #   --out DIR            results folder (default bench_out/suite)
 #   --jobs LIST          a subset of: latency throughput512 throughput caching sla agreement kernels profile
-#                        vllm quant families structured (default: the first seven; roughly half an hour on one
+#                        vllm quant families structured pruning (default: the first seven; roughly half an hour on one
 #                        H200, estimated from the jobs' separate runs). families measures Qwen3-VL-8B,
 #                        LLaVA-v1.6-Mistral-7B and Fuyu-8B at 1008x756 and a 16-frame video on Qwen2.5-VL-7B and
 #                        Qwen3-VL-8B against transformers, and 512 requests of each (about 10 minutes; --model
@@ -16,22 +16,28 @@
 #                        vllm runs the throughput and long-prompt
 #                        workloads beside vLLM (`--baseline vllm`; VLLM_PYTHON names an interpreter that imports
 #                        it, default python3); quant compares bf16 with FP8, INT8 and INT4 weights and an FP8 KV
-#                        cache, and times the quantized kernels
+#                        cache, and times the quantized kernels; pruning times TTFT at 1344x1344 and 1920x1080
+#                        with no pruning, pool and divprune at keep ratio 0.25, and 512 requests of 1344x1344
+#                        offline unpruned and with divprune 0.25 (about 5 minutes a model)
 #   --baseline-tree DIR  a second source tree (e.g. `git worktree add /tmp/before HEAD~1`): each job runs there
 #                        first, then here, and OUT/compare_<job>.txt holds `flashvlm bench compare` of the two
 #   --model DIR          a checkpoint folder instead of the 7B config (e.g. flashvlm/demo/checkpoint to try the
 #                        suite on a CPU: --jobs "latency throughput")
+#   --benchmark-model NAME  a random-weight config of `flashvlm bench --benchmark-model` instead of
+#                        qwen2-vl-7b (e.g. qwen2.5-vl-7b)
 #   --scale F            multiply every request count by F (e.g. 0.25 for a quick pass)
 set -uo pipefail
 OUT=bench_out/suite JOBS="latency throughput512 throughput caching sla agreement kernels" BASE_TREE="" MODEL="" SCALE=1
+BENCH_MODEL=qwen2-vl-7b
 while [ $# -gt 0 ]; do
   case $1 in
     --out) OUT=$2; shift 2 ;;
     --jobs) JOBS=$2; shift 2 ;;
     --baseline-tree) BASE_TREE=$(cd "$2" && pwd) || exit 2; shift 2 ;;
     --model) MODEL=$(cd "$2" && pwd) || exit 2; shift 2 ;;
+    --benchmark-model) BENCH_MODEL=$2; shift 2 ;;
     --scale) SCALE=$2; shift 2 ;;
-    -h|--help) sed -n 2,24p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,29p "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -39,7 +45,7 @@ HERE=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
 n() { python3 -c "import sys; print(max(1, round(int(sys.argv[1]) * float(sys.argv[2]))))" "$1" "$SCALE"; }
-if [ -n "$MODEL" ]; then M=(--model "$MODEL"); else M=(--benchmark-model qwen2-vl-7b); fi
+if [ -n "$MODEL" ]; then M=(--model "$MODEL"); else M=(--benchmark-model "$BENCH_MODEL"); fi
 M+=(--text-tokens 64 --max-model-len 4096 --no-progress)
 # The path a machine without FlashAttention-4 runs, beside the default (FA4 where it is installed); a CPU runs
 # only the default.
@@ -142,6 +148,19 @@ run_job() {  # job dir: run from inside the tree being measured
         bench "$d/${model}_${item##*:}_throughput" throughput --benchmark-model "$model" "${F[@]}" "${input[@]}" \
           --num-requests "$(n 512)" --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.9
       done ;;
+    pruning)  # visual-token pruning against unpruned in the same run: TTFT one request at a time, then offline
+      local P='[{"name": "none"}, {"name": "pool-0.25", "mm_token_pruning": "pool", "mm_token_keep_ratio": 0.25},
+                {"name": "divprune-0.25", "mm_token_pruning": "divprune", "mm_token_keep_ratio": 0.25}]'
+      local size
+      for size in 1344x1344 1920x1080; do
+        bench "$d/latency_$size" sweep --sweep-scenario latency "${M[@]}" --output-tokens 32 --image-size "$size" \
+          --num-requests "$(n 10)" --warmup 2 --max-num-seqs 16 --max-num-batched-tokens 4096 \
+          --gpu-memory-utilization 0.5 --configs "$P"
+      done
+      bench "$d/throughput512_1344x1344" sweep --sweep-scenario throughput "${M[@]}" --output-tokens 128 \
+        --image-size 1344x1344 --num-requests "$(n 512)" --max-num-seqs 256 --max-num-batched-tokens 8192 \
+        --gpu-memory-utilization 0.85 \
+        --configs '[{"name": "none"}, {"name": "divprune-0.25", "mm_token_pruning": "divprune", "mm_token_keep_ratio": 0.25}]' ;;
     structured)  # batch-32 decode with and without structured outputs (needs xgrammar)
       script "$d" scripts/gpu_structured_throughput.py ;;
     *) echo "unknown job: $job" >&2; return 2 ;;

@@ -22,6 +22,7 @@ import torch
 
 from flashvlm.demo.scenes import DEMO, QUESTION_TYPES, SceneProfile, answer_vocabulary, make_example, make_split
 from flashvlm.demo.variants import DEMO_VARIANT, VARIANTS, DemoVariant, demo_variant
+from flashvlm.models.default import resolve_model
 from flashvlm.models.qwen2_vl import mrope_positions
 from flashvlm.processing.qwen_image import QwenImageProcessor
 from flashvlm.testing.tiny_checkpoints import (
@@ -204,6 +205,10 @@ def train(out: str, steps: int, batch_size: int, lr: float, seed: int, device: s
         model = Qwen2VLForConditionalGeneration(config)
     else:  # continue from an earlier run's checkpoint (weights only: a fresh optimizer and schedule)
         model = Qwen2VLForConditionalGeneration.from_pretrained(init_from, dtype=torch.float32)
+        shape = (model.config.vision_config.depth, model.config.text_config.num_hidden_layers)
+        if shape != (spec.vision_depth, spec.text_layers):
+            raise ValueError(f"{init_from} has {shape[0]} vision and {shape[1]} language-model layers; the "
+                             f"{spec.name} variant has {spec.vision_depth} and {spec.text_layers}")
         # Read now, not after training: a folder without one must not fail the run at its end.
         recipe_file = Path(init_from) / "training.json"
         parent_recipe = json.loads(recipe_file.read_text()) if recipe_file.exists() else None
@@ -303,8 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="checkpoint folder to write")
     p.add_argument("--variant", default="demo", choices=sorted(VARIANTS),
-                   help="which demo model: its scenes, its size and the defaults of --steps, --batch-size, --lr and "
-                        "--max-seconds (flashvlm/demo/variants.py; demo: 3000, 64, 3e-4, none)")
+                   help="which demo model: its scenes, its size and the defaults of --steps, --batch-size, --lr, "
+                        "--max-seconds, --seed and --init-from (flashvlm/demo/variants.py)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="instead of --steps: time a short probe, then train as many steps as fit in this many "
@@ -312,12 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--lr", type=float, default=None,
                    help="peak AdamW learning rate (1e-3 and above stall at the answer prior on this model)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="seeds weights and data order (the variant's recipe: demo 0, "
+                   "demo-large 2)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--init-from", default=None, metavar="DIR",
-                   help="start from this earlier checkpoint's weights (its training.json is kept in the new one); "
-                        "give another --seed so the run sees new scenes")
+                   help="start from this earlier checkpoint's weights (a folder, or a demo model's name; its "
+                        "training.json is kept in the new one); give another --seed so the run sees new scenes. "
+                        "Default: the variant's recipe (demo-large starts from demo); 'none' trains from scratch")
     p.add_argument("--schedule-steps", type=int, default=None,
                    help="length of the learning-rate schedule if not --steps (to repeat a run that a safety stop "
                         "cut short: --steps STOPPED_AT --schedule-steps STEPS, both in its training.json)")
@@ -328,9 +335,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     recipe = VARIANTS[args.variant].recipe
     for flag, default in (("steps", recipe.steps), ("batch_size", recipe.batch_size), ("lr", recipe.lr),
-                          ("max_seconds", recipe.max_seconds)):
+                          ("max_seconds", recipe.max_seconds), ("seed", recipe.seed), ("init_from", recipe.init_from)):
         if getattr(args, flag) is None:
             setattr(args, flag, default)
+    args.init_from = None if args.init_from == "none" else args.init_from
+    if args.init_from is not None:
+        try:
+            args.init_from = resolve_model(args.init_from)
+        except FileNotFoundError as e:
+            p.error(str(e))
     if args.steps < 1 or args.batch_size < 1 or args.lr < 0:
         p.error("--steps and --batch-size must be >= 1 and --lr >= 0")
     if args.schedule_steps is not None and args.schedule_steps < args.steps:

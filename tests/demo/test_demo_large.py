@@ -116,22 +116,46 @@ def test_variants_and_model_names_agree() -> None:
     assert DEMO_LARGE_VARIANT.pixels == 448 * 448
 
 
-@pytest.mark.parametrize("variant, expected", [("demo", (3000, 64, 3e-4, None)),
-                                               ("demo-large", (4500, 256, 5e-4, 840.0))])
+@pytest.mark.parametrize("variant, expected", [("demo", (3000, 64, 3e-4, None, 0, None)),
+                                               ("demo-large", (1600, 256, 3e-4, 289.0, 2, "demo"))])
 def test_train_cli_takes_the_variants_recipe_unless_flags_say_otherwise(monkeypatch, tmp_path, variant,
                                                                          expected) -> None:
     from flashvlm.demo import train as train_module
+    from flashvlm.models.default import demo_model_dir
 
     calls = []
     monkeypatch.setattr(train_module, "train", lambda *a, **kw: calls.append((a, kw)))
     argv = ["--out", str(tmp_path), "--device", "cpu"] + ([] if variant == "demo" else ["--variant", variant])
     assert train_module.main(argv) == 0
     args, kw = calls[-1]
-    assert (args[1], args[2], args[3], kw["max_seconds"], kw["variant"]) == (*expected, variant)
-    assert train_module.main(argv + ["--steps", "7", "--lr", "1e-4"]) == 0
-    assert (calls[-1][0][1], calls[-1][0][3], calls[-1][0][2]) == (7, 1e-4, expected[1])
+    init = None if expected[5] is None else str(demo_model_dir(expected[5]))
+    assert (args[1], args[2], args[3], kw["max_seconds"], args[4], kw["init_from"], kw["variant"]) == (
+        *expected[:5], init, variant)
+    assert train_module.main(argv + ["--steps", "7", "--lr", "1e-4", "--seed", "5", "--init-from", "none"]) == 0
+    assert (calls[-1][0][1], calls[-1][0][3], calls[-1][0][2], calls[-1][0][4]) == (7, 1e-4, expected[1], 5)
+    assert calls[-1][1]["init_from"] is None
     with pytest.raises(SystemExit):
         train_module.main(["--out", str(tmp_path), "--variant", "huge"])
+
+
+def test_a_warm_start_of_another_shape_is_refused(tmp_path) -> None:
+    from flashvlm.demo.train import train
+    from flashvlm.models.default import demo_model_dir
+
+    with pytest.raises(ValueError, match="has 3 vision and 4 language-model layers"):
+        train(str(tmp_path), steps=1, batch_size=1, lr=1e-4, seed=0, device="cpu", validate=False,
+              variant="demo-large", init_from=_shallower_copy(demo_model_dir("demo"), tmp_path / "shallow"))
+
+
+def _shallower_copy(src, dst):
+    """The embedded checkpoint's folder with a config that claims 3 vision blocks."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["vision_config"]["depth"] = 3
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
 
 
 @pytest.fixture(scope="module")

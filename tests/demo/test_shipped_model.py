@@ -57,3 +57,38 @@ def test_greedy_answers_equal_transformers_on_scenes() -> None:
         assert out.token_ids == ref[0, ids.shape[1]:].tolist()[: len(out.token_ids)]
         right += out.text.strip() == ex.answer
     assert right >= 6
+
+
+def test_large_checkpoint_is_small_and_records_its_recipe() -> None:
+    from flashvlm.demo.variants import DEMO_LARGE_VARIANT
+    from flashvlm.models.default import demo_model_dir
+
+    path = demo_model_dir("demo-large")
+    assert sum(f.stat().st_size for f in path.iterdir()) <= 15 * 2**20
+    meta = json.loads((path / "training.json").read_text())
+    recipe = DEMO_LARGE_VARIANT.recipe
+    assert (meta["variant"], meta["scenes"]) == ("demo-large", "demo-large")
+    assert (meta["steps"], meta["batch_size"], meta["lr"], meta["seed"]) == (recipe.steps, recipe.batch_size,
+                                                                            recipe.lr, recipe.seed)
+    assert meta["stopped_early_at_step"] is None and meta["train_seconds"] <= recipe.max_seconds
+    assert meta["init_from"]["seed"] == 1  # warm-started from the embedded model (its second stage)
+    assert meta["log"][-1]["val_exact"] >= 0.9
+
+
+@pytest.mark.slow
+def test_eval_demo_large_unpruned_and_pruned(tmp_path) -> None:
+    """`flashvlm eval --model demo-large`: 256 image tokens a picture, accurate unpruned; divprune at 0.25 hands
+    the language model a quarter of them and the report counts them."""
+    accuracy = {}
+    for name, flags in (("none", []), ("divprune", ["--mm-token-pruning", "divprune", "--mm-token-keep-ratio",
+                                                    "0.25"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["eval", "--model", "demo-large", "--num-examples", "200", "--batch-size", "100", "--device",
+                     "cpu", "--json", str(out), *flags]) == 0
+        result = json.loads(out.read_text())
+        assert result["scenes"] == "demo-large" and result["image_tokens"] == 200 * 256
+        accuracy[name] = result["accuracy"]
+        kept = 200 * 256 if name == "none" else 200 * 64
+        assert result["image_tokens_kept"] == kept
+    assert accuracy["none"] >= 0.88
+    assert accuracy["divprune"] < accuracy["none"]  # pruning costs something on this model, and is measured
