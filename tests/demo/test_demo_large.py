@@ -182,7 +182,8 @@ def test_a_tiny_large_training_run_saves_a_loadable_checkpoint(large_checkpoint)
     assert (path / "model.safetensors").stat().st_size <= 15 * 10**6  # bf16, as the GPU run saves it
     config = json.loads((path / "config.json").read_text())
     assert config["vision_config"]["patch_size"] == PATCH and config["vision_config"]["spatial_merge_size"] == MERGE
-    assert (config["text_config"]["num_hidden_layers"], config["vision_config"]["depth"]) == (6, 4)
+    assert (config["text_config"]["num_hidden_layers"], config["vision_config"]["depth"]) == (
+        DEMO_LARGE_VARIANT.text_layers, DEMO_LARGE_VARIANT.vision_depth)
 
     image = make_example(2_000_003, 2, DEMO_LARGE).image
     grid = Qwen2VLImageProcessorPil.from_pretrained(path)(images=[image], return_tensors="pt")["image_grid_thw"]
