@@ -8,8 +8,8 @@
 #
 #   --out DIR            results folder (default bench_out/suite)
 #   --jobs LIST          a subset of: latency throughput512 throughput caching sla agreement kernels profile
-#                        vllm quant families structured pruning (default: the first seven; roughly half an hour on one
-#                        H200, estimated from the jobs' separate runs). families measures Qwen3-VL-8B,
+#                        vllm quant families structured pruning (default: the first seven; roughly half an hour
+#                        on one H200, estimated from the jobs' separate runs). families measures Qwen3-VL-8B,
 #                        LLaVA-v1.6-Mistral-7B and Fuyu-8B at 1008x756 and a 16-frame video on Qwen2.5-VL-7B and
 #                        Qwen3-VL-8B against transformers, and 512 requests of each (about 10 minutes; --model
 #                        does not apply); structured times batch-32 decode with and without structured outputs.
@@ -37,7 +37,7 @@ while [ $# -gt 0 ]; do
     --model) MODEL=$(cd "$2" && pwd) || exit 2; shift 2 ;;
     --benchmark-model) BENCH_MODEL=$2; shift 2 ;;
     --scale) SCALE=$2; shift 2 ;;
-    -h|--help) sed -n 2,29p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,28p "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -149,18 +149,17 @@ run_job() {  # job dir: run from inside the tree being measured
           --num-requests "$(n 512)" --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.9
       done ;;
     pruning)  # visual-token pruning against unpruned in the same run: TTFT one request at a time, then offline
-      local P='[{"name": "none"}, {"name": "pool-0.25", "mm_token_pruning": "pool", "mm_token_keep_ratio": 0.25},
-                {"name": "divprune-0.25", "mm_token_pruning": "divprune", "mm_token_keep_ratio": 0.25}]'
-      local size
+      local none='{"name": "none"}' size
+      local pool='{"name": "pool-0.25", "mm_token_pruning": "pool", "mm_token_keep_ratio": 0.25}'
+      local divprune='{"name": "divprune-0.25", "mm_token_pruning": "divprune", "mm_token_keep_ratio": 0.25}'
       for size in 1344x1344 1920x1080; do
         bench "$d/latency_$size" sweep --sweep-scenario latency "${M[@]}" --output-tokens 32 --image-size "$size" \
           --num-requests "$(n 10)" --warmup 2 --max-num-seqs 16 --max-num-batched-tokens 4096 \
-          --gpu-memory-utilization 0.5 --configs "$P"
+          --gpu-memory-utilization 0.5 --configs "[$none, $pool, $divprune]"
       done
       bench "$d/throughput512_1344x1344" sweep --sweep-scenario throughput "${M[@]}" --output-tokens 128 \
         --image-size 1344x1344 --num-requests "$(n 512)" --max-num-seqs 256 --max-num-batched-tokens 8192 \
-        --gpu-memory-utilization 0.85 \
-        --configs '[{"name": "none"}, {"name": "divprune-0.25", "mm_token_pruning": "divprune", "mm_token_keep_ratio": 0.25}]' ;;
+        --gpu-memory-utilization 0.85 --configs "[$none, $divprune]" ;;
     structured)  # batch-32 decode with and without structured outputs (needs xgrammar)
       script "$d" scripts/gpu_structured_throughput.py ;;
     *) echo "unknown job: $job" >&2; return 2 ;;

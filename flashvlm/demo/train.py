@@ -344,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             args.init_from = resolve_model(args.init_from)
         except FileNotFoundError as e:
             p.error(str(e))
+        if not (Path(args.init_from) / "config.json").is_file():
+            p.error(f"--init-from {args.init_from}: not a checkpoint folder (no config.json)")
     if args.steps < 1 or args.batch_size < 1 or args.lr < 0:
         p.error("--steps and --batch-size must be >= 1 and --lr >= 0")
     if args.schedule_steps is not None and args.schedule_steps < args.steps:

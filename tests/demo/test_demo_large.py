@@ -138,6 +138,14 @@ def test_train_cli_takes_the_variants_recipe_unless_flags_say_otherwise(monkeypa
         train_module.main(["--out", str(tmp_path), "--variant", "huge"])
 
 
+def test_train_cli_refuses_an_init_from_that_is_no_checkpoint(tmp_path, capsys) -> None:
+    from flashvlm.demo import train as train_module
+
+    with pytest.raises(SystemExit):
+        train_module.main(["--out", str(tmp_path / "out"), "--init-from", str(tmp_path / "missing"), "--device", "cpu"])
+    assert "not a checkpoint folder (no config.json)" in capsys.readouterr().err
+
+
 def test_a_warm_start_of_another_shape_is_refused(tmp_path) -> None:
     from flashvlm.demo.train import train
     from flashvlm.models.default import demo_model_dir
@@ -149,8 +157,6 @@ def test_a_warm_start_of_another_shape_is_refused(tmp_path) -> None:
 
 def _shallower_copy(src, dst):
     """The embedded checkpoint's folder with a config that claims 3 vision blocks."""
-    import shutil
-
     shutil.copytree(src, dst)
     config = json.loads((dst / "config.json").read_text())
     config["vision_config"]["depth"] = 3
