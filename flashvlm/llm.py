@@ -99,7 +99,8 @@ class LLM:
             req = self.engine.add_processed(result(), params[k], priority=priority[k] if priority else 0)
             ids[req.request_id] = None
 
-        with OrderedFeeder(jobs, add, all_at_once=priority is not None) as feeder:
+        with OrderedFeeder(jobs, add, all_at_once=priority is not None, backlog=self.engine.waiting_work,
+                           step_tokens=self.engine.config.scheduler.max_num_batched_tokens) as feeder:
             return self._drain(feeder, ids, use_tqdm)
 
     def _drain(self, feeder: OrderedFeeder, ids: dict[str, None], use_tqdm: bool) -> list[RequestOutput]:

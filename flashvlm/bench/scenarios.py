@@ -171,7 +171,9 @@ def run_throughput(llm: LLM, requests: list[BenchRequest], workload: dict, label
     jobs = [functools.partial(engine.process_prompt, req.engine_prompt()) for req in requests]
     with _Run(llm) as run:
         start = time.time()
-        with OrderedFeeder(jobs, lambda k, result: _submit(llm, run.tracker, requests[k], start, result)) as feeder:
+        with OrderedFeeder(jobs, lambda k, result: _submit(llm, run.tracker, requests[k], start, result),
+                           backlog=engine.waiting_work,
+                           step_tokens=engine.config.scheduler.max_num_batched_tokens) as feeder:
             while not feeder.done or engine.has_unfinished_requests():
                 feeder.feed(block=not engine.has_unfinished_requests())
                 if engine.has_unfinished_requests():

@@ -209,6 +209,10 @@ class Engine:
         ids = (self._samples[sid][0].request_id for sid in self.scheduler.running_request_ids())
         return list(dict.fromkeys(ids))
 
+    def waiting_work(self) -> tuple[int, int]:
+        """(requests added and not started, new or preempted; their prompt tokens not yet computed)."""
+        return self.scheduler.num_waiting, self.scheduler.waiting_prompt_tokens
+
     def waiting_by_priority(self) -> dict[int, int]:
         """Requests waiting for the scheduler (new or preempted), counted by priority."""
         return self.scheduler.waiting_by_priority()

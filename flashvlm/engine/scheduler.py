@@ -80,6 +80,11 @@ class Scheduler(WaitingAdmission):
         """Requests none of whose samples runs."""
         return sum(self.waiting_by_priority().values())
 
+    @property
+    def waiting_prompt_tokens(self) -> int:
+        """Prompt tokens the waiting requests have not computed (each sample of an n-request counts)."""
+        return sum(len(req.prompt_token_ids) - req.num_computed_tokens for req in self._waiting)
+
     def _running_parents(self) -> set[str]:
         return {req.parent_id or req.request_id for req in self._running}
 

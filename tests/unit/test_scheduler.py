@@ -211,7 +211,9 @@ def test_max_num_seqs_respected_and_outputs_match_reference() -> None:
     runner = FakeRunner(sched)
     out, _ = step(sched, runner)
     assert ids(out) == ["r0", "r1"] and sched.num_running == 2 and sched.num_waiting == 3
+    assert sched.waiting_prompt_tokens == 9 + 12 + 15  # r2..r4, none computed yet
     finished = drive(sched, runner)  # the runner asserts max_num_seqs every step
+    assert sched.waiting_prompt_tokens == 0
     for r in reqs:
         want = expected_output(r.prompt_token_ids, r.sampling_params.max_tokens)
         assert finished[r.request_id].output_token_ids == want
