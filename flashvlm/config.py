@@ -121,6 +121,11 @@ class ModelConfig:
         help="dedup only: neighbouring image tokens whose pixel blocks differ by at most this many intensity levels "
              "(of 0-255) at every pixel are merged; 0 = only exact repeats. A request overrides it with "
              "mm_processor_kwargs {\"mm_token_dedup_threshold\": ...}")
+    mm_token_proportional_attention: bool = option(
+        False, help="with visual-token pruning, add log(tokens it stands for) to the attention logits on each kept "
+                    "image token's key: each dropped token counts for the kept token nearest to it (cosine of the "
+                    "embeddings), so a kept background token weighs as much as the tokens it replaced "
+                    "(docs/pruning.md); needs attention_backend reference")
     hf_overrides: dict[str, Any] = option(default_factory=dict, cli=False,
                                           help="keyword overrides for the checkpoint's transformers config "
                                                "(passed to AutoConfig.from_pretrained)")
@@ -272,6 +277,10 @@ class EngineConfig:
         if problem is not None:
             raise ConfigError(f"device={self.device!r}: {problem}")
         self._resolve_attention()
+        if self.model.mm_token_proportional_attention and self.attention_backend != "reference":
+            raise ConfigError(f"mm_token_proportional_attention runs on the reference attention backend only (the "
+                              f"{self.attention_backend} kernels take no per-key bias yet): add "
+                              "--attention-backend reference")
         self._check_tensor_parallel()
         if c.kv_cache_dtype != "auto" and self.attention_backend != "reference":
             from flashvlm.attention.kv_quant import fp8_kv_unavailable_reason

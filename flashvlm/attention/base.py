@@ -42,6 +42,11 @@ class AttentionStep:
     """Bound on any sequence's new tokens (exact on eager steps; the bucket's token count under graphs)."""
     max_seq_len: int
     """Bound on any sequence's context (exact on eager steps; max_model_len under graphs)."""
+    slot_bias: torch.Tensor | None = None
+    """(num_blocks * block_size,) float32 or None: a logit bias on every key of the cache by slot (proportional
+    attention over pruned images' kept tokens), read by the backends that take one (reference)."""
+    new_token_bias: torch.Tensor | None = None
+    """(N,) float32: the bias of this step's new keys, written into slot_bias with them (0 for text)."""
 
     @property
     def num_seqs(self) -> int:
@@ -142,6 +147,8 @@ class AttentionBackend(ABC):
             k, v = quantize_kv(k, k_scale), quantize_kv(v, v_scale)
         scatter_into(key_cache, meta.slot_mapping, k.to(kv_cache.dtype))
         scatter_into(value_cache, meta.slot_mapping, v.to(kv_cache.dtype))
+        if meta.slot_bias is not None and meta.new_token_bias is not None:
+            meta.slot_bias.index_copy_(0, meta.slot_mapping, meta.new_token_bias)
 
     @abstractmethod
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,

@@ -38,7 +38,14 @@ class ReferenceBackend(AttentionBackend):
             qi = q[start:end].transpose(0, 1)[None]
             k, v = k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype)
             ctx = seq_len - num_new
-            if num_new == 1:
+            bias = self._key_bias(meta, blocks, seq_len)
+            if bias is not None:
+                key_pos = torch.arange(seq_len, device=q.device)
+                query_pos = torch.arange(ctx, seq_len, device=q.device)
+                allowed = key_pos[None, :] <= query_pos[:, None]
+                mask = torch.where(allowed, bias[None, :], float("-inf")).to(q.dtype)
+                o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
+            elif num_new == 1:
                 o = F.scaled_dot_product_attention(qi, k, v, scale=scale)
             elif ctx == 0:
                 o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale)
@@ -50,3 +57,14 @@ class ReferenceBackend(AttentionBackend):
             o = o[0]
             out[start:end] = o.transpose(0, 1)
         return out
+
+    @staticmethod
+    def _key_bias(meta: AttentionMetadata, blocks: torch.Tensor, seq_len: int) -> torch.Tensor | None:
+        """The logit bias of a sequence's keys (seq_len,) from meta.slot_bias, or None where it has none or it is
+        zero on every key (the unbiased kernels then run, and outputs stay what they were without the store)."""
+        if meta.slot_bias is None:
+            return None
+        bs = meta.block_size
+        slots = (blocks[:, None] * bs + torch.arange(bs, device=blocks.device)[None, :]).flatten()[:seq_len]
+        bias = meta.slot_bias.index_select(0, slots)
+        return bias if bool(bias.any()) else None

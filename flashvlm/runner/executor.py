@@ -12,6 +12,7 @@ batch. The executor owns the language-model graphs; the runner owns the vision t
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -59,17 +60,23 @@ class StepPlan:
 
 
 def splice_image_embeddings(out: SchedulerOutput, embeds: torch.Tensor, encoder_outputs: dict[str, torch.Tensor],
-                            kept_tokens: KeptTokens) -> None:
+                            kept_tokens: KeptTokens, token_bias: torch.Tensor | None = None) -> None:
     """Write each scheduled chunk's image embeddings over its placeholder rows of the flat batch (a pruned
-    image's placeholders take its kept embeddings, in order)."""
+    image's placeholders take its kept embeddings, in order), and with proportional attention the kept tokens'
+    key bias into `token_bias` (one per row of the batch, zero elsewhere)."""
     row = 0
     for s in out.scheduled:
         a, b = s.start, s.end
         for item in s.request.mm_items:
             lo, hi = max(a, item.offset), min(b, item.end)
             if lo < hi:
-                rows = kept_tokens.image_rows(item, encoder_outputs[item.mm_hash], lo - item.offset, hi - item.offset)
+                full = encoder_outputs[item.mm_hash]
+                rows = kept_tokens.image_rows(item, full, lo - item.offset, hi - item.offset)
                 embeds[row + lo - a: row + hi - a] = rows.to(embeds.dtype)
+                bias = None if token_bias is None else kept_tokens.image_bias(item, full, lo - item.offset,
+                                                                              hi - item.offset)
+                if bias is not None:
+                    token_bias[row + lo - a: row + hi - a] = bias
         row += b - a
 
 
@@ -79,6 +86,9 @@ class StepExecutor:
         self.model, self.backend, self.block_size = model, backend, block_size
         self.dtype, self.device = dtype, device
         self.kv_caches: list[torch.Tensor] = []
+        self.slot_bias: torch.Tensor | None = None
+        """(slots,) float32 with proportional attention: each KV slot's key bias (attention/base.py); the runner
+        allocates it with the KV cache. Only eager steps run with it (its backend captures no graphs)."""
         self.decode_graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
         """Graphs for prefill and mixed steps up to config.prefill_graph_max_tokens (CUDA only)."""
@@ -140,11 +150,18 @@ class StepExecutor:
             return self.decode_graphs.run(plan.batch)
         inputs = plan.inputs
         embeds = self.model.embed_tokens(inputs.input_ids)
+        token_bias = None
+        if self.slot_bias is not None:
+            if plan.path is not ExecutionPath.EAGER:
+                raise RuntimeError("proportional attention runs eager steps only")
+            token_bias = torch.zeros(embeds.shape[0], dtype=torch.float32, device=embeds.device)
         # The vision tower's output enters before any graph, so graphs and eager steps splice alike.
-        splice_image_embeddings(out, embeds, encoder_outputs, kept_tokens)
+        splice_image_embeddings(out, embeds, encoder_outputs, kept_tokens, token_bias)
         if plan.path is ExecutionPath.STEP_GRAPH:
             return self.step_graphs.run(embeds, inputs.positions, inputs.attn_step, inputs.sample_rows)
-        ctx = ForwardContext(attn_meta=self.backend.build_metadata(inputs.attn_step), kv_caches=self.kv_caches,
-                             backend=self.backend)
+        meta = self.backend.build_metadata(inputs.attn_step)
+        if token_bias is not None:
+            meta = dataclasses.replace(meta, slot_bias=self.slot_bias, new_token_bias=token_bias)
+        ctx = ForwardContext(attn_meta=meta, kv_caches=self.kv_caches, backend=self.backend)
         hidden = self.model(embeds, inputs.positions, ctx)
         return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))

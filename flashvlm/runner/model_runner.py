@@ -86,7 +86,8 @@ class ModelRunner:
         self.positions = PositionStore()
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         """Vision embeddings by mm_hash; the scheduler's EncoderCacheManager decides what stays."""
-        self.kept_tokens = KeptTokens(self.model.language_model.embed_tokens.embedding_dim)
+        self.kept_tokens = KeptTokens(self.model.language_model.embed_tokens.embedding_dim,
+                                      proportional=config.model.mm_token_proportional_attention)
         """Pruned images' kept indices (chosen from encoder_outputs) and the positions built from them."""
         self.num_encoded_images = 0
         """Images run through the vision tower since start (cache tests and stats)."""
@@ -135,6 +136,9 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
                                       dtype=self.kv_dtype, device=self.device) for _ in range(spec.num_layers)]
         self.executor.kv_caches = self.kv_caches
+        if self.config.model.mm_token_proportional_attention:
+            self.executor.slot_bias = torch.zeros(num_blocks * self.block_size, dtype=torch.float32,
+                                                  device=self.device)
         if not self.use_cuda_graphs:
             return
         self.executor.capture_graphs(self.config, self.max_model_len)

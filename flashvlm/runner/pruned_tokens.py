@@ -30,15 +30,28 @@ def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
     return indices.pin_memory().to(device, non_blocking=True)
 
 
+def log_token_counts(embeddings: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """(K,) float32: log of how many of an image's N tokens each of its K kept tokens stands for. A dropped token
+    counts for the kept token most similar to it (cosine of the embeddings, the first on ties), a kept one for
+    itself, so the counts sum to N and none is below 1."""
+    x = torch.nn.functional.normalize(embeddings.float(), dim=-1)
+    nearest = (x @ x.index_select(0, kept).T).argmax(dim=1)
+    nearest[kept] = torch.arange(kept.shape[0], device=kept.device)
+    return torch.bincount(nearest, minlength=kept.shape[0]).float().log()
+
+
 class KeptTokens:
     """Kept indices by (mm_hash, setting key), on the device for the splice and on the host for the positions,
     and which indices each request's stored positions were built from."""
 
-    def __init__(self, feature_width: int | None = None) -> None:
+    def __init__(self, feature_width: int | None = None, proportional: bool = False) -> None:
         self.feature_width = feature_width
         """The leading columns of an embedding row a strategy compares (the language model's hidden size): rows
         may carry more (Qwen3-VL's DeepStack features), which the kept indices select along with them."""
+        self.proportional = proportional
+        """Proportional attention: each kept token's key carries log(tokens it stands for) (`image_bias`)."""
         self._kept: dict[str, dict[str, tuple[torch.Tensor, np.ndarray]]] = {}
+        self._log_counts: dict[str, dict[str, torch.Tensor]] = {}
         self._positioned: dict[str, dict[int, np.ndarray]] = {}
         """request id -> item index -> the host indices its stored positions hold."""
         self.num_selections = 0
@@ -63,6 +76,18 @@ class KeptTokens:
             found = by_setting[item.pruning.key] = (chosen, host)
             self.num_selections += 1
         return found
+
+    def image_bias(self, item: MMItem, embeddings: torch.Tensor, start: int, stop: int) -> torch.Tensor | None:
+        """The attention-logit bias of the item's placeholders [start, stop): log of how many of the image's
+        tokens each kept one stands for; None for an unpruned image or without proportional attention."""
+        if item.pruning is None or not self.proportional:
+            return None
+        by_setting = self._log_counts.setdefault(item.mm_hash, {})
+        found = by_setting.get(item.pruning.key)
+        if found is None:
+            kept, _ = self.indices(item, embeddings)
+            found = by_setting[item.pruning.key] = log_token_counts(embeddings[:, :self.feature_width], kept)
+        return found[start:stop]
 
     def image_rows(self, item: MMItem, embeddings: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """The embeddings of the item's placeholders [start, stop) (indices within the item)."""
@@ -98,6 +123,7 @@ class KeptTokens:
     def free(self, mm_hash: str) -> None:
         """The encoder output of `mm_hash` is gone: so are the indices chosen from it."""
         self._kept.pop(mm_hash, None)
+        self._log_counts.pop(mm_hash, None)
 
     def forget(self, request_id: str) -> None:
         self._positioned.pop(request_id, None)

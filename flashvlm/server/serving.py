@@ -8,7 +8,6 @@ import functools
 import logging
 import secrets
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,7 +275,3 @@ async def _wait_disconnect(raw: Request) -> None:
     # The body is already read, so the next ASGI message is the disconnect (no polling).
     while (await raw.receive())["type"] != "http.disconnect":
         pass
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex

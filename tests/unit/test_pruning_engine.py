@@ -180,3 +180,15 @@ def test_plain_rope_kept_tokens_keep_their_positions() -> None:
     assert positions.tolist() == expected and delta == 5
     unpruned, zero = model.prompt_positions(ids, [_item("b", 8, 9)])
     assert unpruned.tolist() == ids and zero == 0
+
+
+def test_log_token_counts_give_each_kept_token_the_dropped_ones_nearest_it() -> None:
+    from flashvlm.runner.pruned_tokens import log_token_counts
+
+    # Tokens 0 and 2 lie near kept token 1, tokens 3 and 5 near kept token 4 (cosine), token 6 repeats token 1.
+    emb = torch.tensor([[1.0, 0.1], [1.0, 0.0], [0.9, -0.1], [0.1, 1.0], [0.0, 1.0], [-0.1, 0.8], [2.0, 0.0]])
+    kept = torch.tensor([1, 4, 6])
+    counts = log_token_counts(emb, kept).exp().round()
+    # 6 repeats 1 (the same direction): each kept token counts itself; the dropped ones go to the first of a tie.
+    assert counts.tolist() == [3.0, 3.0, 1.0]
+    assert counts.sum().item() == emb.shape[0]
