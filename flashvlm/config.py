@@ -125,7 +125,7 @@ class ModelConfig:
         False, help="with visual-token pruning, add log(tokens it stands for) to the attention logits on each kept "
                     "image token's key: each dropped token counts for the kept token nearest to it (cosine of the "
                     "embeddings), so a kept background token weighs as much as the tokens it replaced "
-                    "(docs/pruning.md); needs attention_backend reference")
+                    "(docs/pruning.md); the engine then captures no CUDA graphs")
     hf_overrides: dict[str, Any] = option(default_factory=dict, cli=False,
                                           help="keyword overrides for the checkpoint's transformers config "
                                                "(passed to AutoConfig.from_pretrained)")
@@ -277,10 +277,6 @@ class EngineConfig:
         if problem is not None:
             raise ConfigError(f"device={self.device!r}: {problem}")
         self._resolve_attention()
-        if self.model.mm_token_proportional_attention and self.attention_backend != "reference":
-            raise ConfigError(f"mm_token_proportional_attention runs on the reference attention backend only (the "
-                              f"{self.attention_backend} kernels take no per-key bias yet): add "
-                              "--attention-backend reference")
         self._check_tensor_parallel()
         if c.kv_cache_dtype != "auto" and self.attention_backend != "reference":
             from flashvlm.attention.kv_quant import fp8_kv_unavailable_reason

@@ -59,8 +59,9 @@ class FlashAttn4Backend(TritonBackend):
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-        # A float32 model or an FP8 cache (the engine already moves both off this backend at start-up): our kernel.
-        if meta.is_pure_decode or not fa4_takes(q) or kv_cache.dtype != q.dtype:
+        # A float32 model or an FP8 cache (the engine already moves both off this backend at start-up), or a key
+        # bias (proportional attention; FA4 takes none): our kernel.
+        if meta.is_pure_decode or not fa4_takes(q) or kv_cache.dtype != q.dtype or meta.slot_bias is not None:
             return super().forward(q, kv_cache, meta, scale, k_scale, v_scale)
         result = _varlen_func()(q, kv_cache[0], kv_cache[1], cu_seqlens_q=meta.query_start_loc,
                                 seqused_k=meta.seq_lens, page_table=meta.block_tables,

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from flashvlm.attention.base import AttentionBackend, AttentionMetadata
 from flashvlm.attention.kv_quant import dequantize_kv, is_fp8, require_scales
+from flashvlm.kernels.paged_args import context_slots
 
 
 class ReferenceBackend(AttentionBackend):
@@ -64,7 +65,5 @@ class ReferenceBackend(AttentionBackend):
         zero on every key (the unbiased kernels then run, and outputs stay what they were without the store)."""
         if meta.slot_bias is None:
             return None
-        bs = meta.block_size
-        slots = (blocks[:, None] * bs + torch.arange(bs, device=blocks.device)[None, :]).flatten()[:seq_len]
-        bias = meta.slot_bias.index_select(0, slots)
+        bias = meta.slot_bias.index_select(0, context_slots(blocks, meta.block_size, seq_len))
         return bias if bool(bias.any()) else None

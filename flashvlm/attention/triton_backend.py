@@ -46,6 +46,11 @@ class TritonBackend(AttentionBackend):
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
         kv_write(k, v, kv_cache, meta.slot_mapping, *self._scales(kv_cache, k_scale, v_scale))
+        if meta.slot_bias is not None and meta.new_token_bias is not None:
+            # Padding tokens (slot -1) write 0 into slot 0, in the null block no sequence reads.
+            written = meta.slot_mapping >= 0
+            meta.slot_bias.index_copy_(0, meta.slot_mapping.clamp(min=0),
+                                       torch.where(written, meta.new_token_bias, 0.0))
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,9 +60,10 @@ class TritonBackend(AttentionBackend):
         if meta.is_pure_decode:
             num_splits = self.num_decode_splits(q.device, meta.seq_lens.shape[0], kv_cache.shape[3], meta.max_seq_len)
             return paged_decode(q, kv_cache, meta.block_tables, meta.seq_lens, scale, num_splits=num_splits,
-                                k_scale=k_scale, v_scale=v_scale)
+                                k_scale=k_scale, v_scale=v_scale, key_bias=meta.slot_bias)
         return paged_prefill(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-                             max_query_len=meta.max_query_len, k_scale=k_scale, v_scale=v_scale)
+                             max_query_len=meta.max_query_len, k_scale=k_scale, v_scale=v_scale,
+                             key_bias=meta.slot_bias)
 
     @staticmethod
     def _scales(kv_cache: torch.Tensor, k_scale: torch.Tensor | None,

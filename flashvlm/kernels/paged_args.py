@@ -46,3 +46,19 @@ def read_context(kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int, k_s
     if check_kv_scales(kv_cache, k_scale, v_scale):
         k, v = k * k_scale.float(), v * v_scale.float()
     return k, v
+
+
+def check_key_bias(key_bias: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    """A per-slot key bias as the kernels read it: float32, contiguous, one value per cache slot, on the cache's
+    device."""
+    slots = kv_cache.shape[1] * kv_cache.shape[2]
+    if (key_bias.dtype != torch.float32 or key_bias.shape != (slots,) or key_bias.device != kv_cache.device
+            or not key_bias.is_contiguous()):
+        raise ValueError(f"key_bias must be a contiguous float32 ({slots},) tensor on {kv_cache.device} (one per "
+                         f"cache slot), got {key_bias.dtype} {tuple(key_bias.shape)} on {key_bias.device}")
+    return key_bias
+
+
+def context_slots(blocks: torch.Tensor, page: int, seq_len: int) -> torch.Tensor:
+    """The cache slots of a sequence's first seq_len tokens, given its blocks (long)."""
+    return (blocks[:, None] * page + torch.arange(page, device=blocks.device)[None, :]).flatten()[:seq_len]

@@ -25,7 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
-from flashvlm.kernels.paged_args import check_kv_scales, gqa_group, last_dim_contiguous, read_context
+from flashvlm.kernels.paged_args import (
+    check_key_bias,
+    check_kv_scales,
+    context_slots,
+    gqa_group,
+    last_dim_contiguous,
+    read_context,
+)
 from flashvlm.kernels.paged_tiles import load_kv_tile, softmax_start
 
 _LOG2E = 1.4426950408889634
@@ -33,7 +40,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr,
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, bias_ptr,
     scale_log2,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -42,6 +49,7 @@ def _decode_split_kernel(
     stride_ls, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -77,6 +85,9 @@ def _decode_split_kernel(
         kv_mask = valid[:, None] & d_mask[None, :]
         k = load_kv_tile(k_ptr + kv_ptrs, kv_mask, q.dtype, True, KV_FP8)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+        if HAS_BIAS:  # a natural-log bias on each key's logit, by cache slot
+            bias = tl.load(bias_ptr + page * PAGE + pos % PAGE, mask=valid, other=0.0)
+            s = s + bias[None, :] * 1.4426950408889634
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -140,10 +151,11 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  scale: float, num_splits: int = 1, out: torch.Tensor | None = None, block_n: int | None = None,
                  num_warps: int = 4, num_stages: int = 2, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 v_scale: torch.Tensor | None = None, key_bias: torch.Tensor | None = None) -> torch.Tensor:
     """q: (B, heads, head_dim), one token per sequence; kv_cache: (2, num_blocks, block_size, kv_heads, head_dim);
     block_tables: (B, max_blocks) int32; seq_lens: (B,) int32 (context length including this token). An FP8 cache
-    needs k_scale and v_scale (1-element float32 tensors)."""
+    needs k_scale and v_scale (1-element float32 tensors). key_bias: (num_blocks * block_size,) float32, a bias
+    added to the (scaled) logit of the key in each cache slot."""
     num_seqs, num_heads, head_dim = q.shape
     kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
     group = gqa_group(num_heads, kv_heads)
@@ -165,18 +177,20 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     scale_log2 = scale * _LOG2E
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page,
-                  DOT_PREC=dot_prec, KV_FP8=kv_fp8, num_warps=num_warps, num_stages=num_stages)
+                  DOT_PREC=dot_prec, KV_FP8=kv_fp8, HAS_BIAS=key_bias is not None, num_warps=num_warps,
+                  num_stages=num_stages)
+    bias = seq_lens if key_bias is None else check_key_bias(key_bias, kv_cache)  # a placeholder pointer
     kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     if num_splits <= 1:
         _decode_split_kernel[(num_seqs, kv_heads, 1)](
-            q, k_cache, v_cache, block_tables, seq_lens, out, out, k_scale, v_scale, scale_log2,
+            q, k_cache, v_cache, block_tables, seq_lens, out, out, k_scale, v_scale, bias, scale_log2,
             q.stride(0), q.stride(1), *kv_strides, block_tables.stride(0),
             out.stride(0), out.stride(1), 0, 0, 0, DIRECT=True, **common)
         return out
     part = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part, lse, k_scale, v_scale, scale_log2,
+        q, k_cache, v_cache, block_tables, seq_lens, part, lse, k_scale, v_scale, bias, scale_log2,
         q.stride(0), q.stride(1), *kv_strides, block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), DIRECT=False, **common)
     _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -188,9 +202,9 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
 
 def paged_decode_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None, key_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-torch decode attention in fp32 (host loop over sequences; tests only). seq_len 0 gives zeros. An FP8
-    cache is read as x.float() * scale."""
+    cache is read as x.float() * scale; key_bias is added to the scaled scores by slot."""
     num_seqs, num_heads, _ = q.shape
     page, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     out = torch.zeros_like(q)
@@ -201,5 +215,7 @@ def paged_decode_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         k, v = read_context(kv_cache, blocks, seq_len, k_scale, v_scale)
         k, v = k.repeat_interleave(num_heads // kv_heads, dim=1), v.repeat_interleave(num_heads // kv_heads, dim=1)
         scores = torch.einsum("hd,khd->hk", q[i].float(), k) * scale
+        if key_bias is not None:
+            scores = scores + key_bias[context_slots(blocks, page, seq_len)].float()[None, :]
         out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v).to(q.dtype)
     return out

@@ -22,7 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-from flashvlm.kernels.paged_args import check_kv_scales, gqa_group, last_dim_contiguous, read_context
+from flashvlm.kernels.paged_args import (
+    check_key_bias,
+    check_kv_scales,
+    context_slots,
+    gqa_group,
+    last_dim_contiguous,
+    read_context,
+)
 from flashvlm.kernels.paged_tiles import load_kv_tile, softmax_start
 
 _LOG2E = 1.4426950408889634
@@ -30,8 +37,8 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_keys(q, m_i, l_i, acc, k_ptr, v_ptr, table, head_off, pos, kv_end, q_pos, offs_d, d_mask, scale_log2,
-                 stride_kb, stride_kt, PAGE: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
-                 DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr):
+                 stride_kb, stride_kt, bias_ptr, bias_coef, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
+                 EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr, HAS_BIAS: tl.constexpr):
     """One key tile of the online softmax, gathered page by page; CAUSAL tiles mask by position (and kv_end),
     the others are wholly visible. Returns the updated (m_i, l_i, acc)."""
     valid = pos < kv_end
@@ -43,6 +50,9 @@ def _attend_keys(q, m_i, l_i, acc, k_ptr, v_ptr, table, head_off, pos, kv_end, q
     kv_mask = valid[:, None] & d_mask[None, :]
     k = load_kv_tile(k_ptr + kv_ptrs, kv_mask, q.dtype, CAUSAL or not EVEN_D, KV_FP8)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if HAS_BIAS:  # the slot's natural-log bias, in the unscaled score's units: scaling below makes it b * log2(e)
+        bias = tl.load(bias_ptr + page * PAGE + pos % PAGE, mask=valid, other=0.0)
+        s = s + bias[None, :] * bias_coef
     if CAUSAL:
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
     # Scale after the row max: one fused multiply-add per score.
@@ -57,12 +67,13 @@ def _attend_keys(q, m_i, l_i, acc, k_ptr, v_ptr, table, head_off, pos, kv_end, q
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, qsl_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, qsl_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr, bias_ptr,
     scale_log2, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -98,6 +109,7 @@ def _prefill_kernel(
         q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=row_valid[:, None] & d_mask[None, :], other=0.0)
         scale_log2, m_i, l_i, acc = softmax_start(scale_log2, k_scale_ptr, BLOCK_M, BLOCK_D, KV_FP8)
+        bias_coef = 1.4426950408889634 / scale_log2
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         head_off = kvh.to(tl.int64) * stride_kh
         # Keys past the tile's last query are invisible to all of its rows; keys up to its first query's position
@@ -108,12 +120,12 @@ def _prefill_kernel(
         # The diagonal tiles go first, so each row's max is finite from the start (padding rows included).
         for t in range(free_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, k_ptr, v_ptr, table, head_off, t + offs_n, kv_end, q_pos,
-                                         offs_d, d_mask, scale_log2, stride_kb, stride_kt, PAGE, True, EVEN_D, DOT_PREC,
-                                         KV_FP8)
+                                         offs_d, d_mask, scale_log2, stride_kb, stride_kt, bias_ptr, bias_coef, PAGE,
+                                         True, EVEN_D, DOT_PREC, KV_FP8, HAS_BIAS)
         for t in range(0, free_end, BLOCK_N):
             m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, k_ptr, v_ptr, table, head_off, t + offs_n, kv_end, q_pos,
-                                         offs_d, d_mask, scale_log2, stride_kb, stride_kt, PAGE, False, EVEN_D,
-                                         DOT_PREC, KV_FP8)
+                                         offs_d, d_mask, scale_log2, stride_kb, stride_kt, bias_ptr, bias_coef, PAGE,
+                                         False, EVEN_D, DOT_PREC, KV_FP8, HAS_BIAS)
 
         if KV_FP8:
             acc = acc * tl.load(v_scale_ptr)
@@ -138,10 +150,11 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torc
                   block_tables: torch.Tensor, scale: float, max_query_len: int, out: torch.Tensor | None = None,
                   block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  v_scale: torch.Tensor | None = None, key_bias: torch.Tensor | None = None) -> torch.Tensor:
     """q: (N, heads, head_dim) flat batch; kv_cache: (2, num_blocks, block_size, kv_heads, head_dim);
     query_start_loc: (B+1,) int32; seq_lens: (B,) int32 (cached + new); block_tables: (B, max_blocks) int32.
-    An FP8 cache needs k_scale and v_scale (1-element float32 tensors)."""
+    An FP8 cache needs k_scale and v_scale (1-element float32 tensors). key_bias: (num_blocks * block_size,)
+    float32, a bias added to the (scaled) logit of the key in each cache slot."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
@@ -161,13 +174,14 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torc
     grid = (num_tokens // block_q + num_seqs, kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, k_scale, v_scale,
+        seq_lens if key_bias is None else check_key_bias(key_bias, kv_cache),  # a placeholder pointer without one
         scale * _LOG2E, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         EVEN_D=head_dim == triton.next_power_of_2(head_dim), BLOCK_M=block_m,
         BLOCK_Q=block_q, BLOCK_N=block_n or auto_n, PAGE=page,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8, HAS_BIAS=key_bias is not None,
         num_warps=num_warps or auto_warps, num_stages=num_stages or auto_stages,
     )
     return out
@@ -175,9 +189,10 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torc
 
 def paged_prefill_reference(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                            key_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-torch varlen attention in fp32 (host loop over sequences; tests only). An FP8 cache is read as
-    x.float() * scale."""
+    x.float() * scale; key_bias is added to the scaled scores by slot."""
     num_heads = q.shape[1]
     page, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     out = torch.zeros_like(q)
@@ -190,6 +205,8 @@ def paged_prefill_reference(q: torch.Tensor, kv_cache: torch.Tensor, query_start
         k, v = read_context(kv_cache, blocks, seq_len, k_scale, v_scale)
         k, v = k.repeat_interleave(num_heads // kv_heads, dim=1), v.repeat_interleave(num_heads // kv_heads, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
+        if key_bias is not None:
+            scores = scores + key_bias[context_slots(blocks, page, seq_len)].float()[None, None, :]
         query_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
         visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
         scores = scores.masked_fill(~visible, float("-inf"))

@@ -88,7 +88,7 @@ class StepExecutor:
         self.kv_caches: list[torch.Tensor] = []
         self.slot_bias: torch.Tensor | None = None
         """(slots,) float32 with proportional attention: each KV slot's key bias (attention/base.py); the runner
-        allocates it with the KV cache. Only eager steps run with it (its backend captures no graphs)."""
+        allocates it with the KV cache. Only eager steps run with it (the runner then captures no graphs)."""
         self.decode_graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
         """Graphs for prefill and mixed steps up to config.prefill_graph_max_tokens (CUDA only)."""

@@ -1,7 +1,7 @@
 """Proportional attention over pruned images (CPU, float32, greedy): the engine against transformers run on
 hand-built inputs with log(tokens each kept token stands for) added to the attention logits on its key (a 4-D
 additive mask), the counts written out here from the rule; nothing changes without pruning; chunked prefill
-through a pruned image equals one chunk; the option needs the reference backend."""
+through a pruned image equals one chunk. On the Triton backend: tests/kernels/test_triton_backend_engine.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from flashvlm.config import ConfigError, EngineConfig
 from flashvlm.pruning.base import TokenGrid
 from flashvlm.pruning.pool import pool_indices
 from flashvlm.pruning.registry import get_strategy
@@ -108,11 +107,3 @@ def test_chunked_prefill_through_a_pruned_image_equals_one_chunk(tiny_qwen: str)
     for a, b in zip(whole[1], chunked[1]):
         assert (a - b).abs().max().item() <= 1e-4
 
-
-def test_the_option_needs_the_reference_backend(monkeypatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    config = EngineConfig.from_options("unused", device="cpu", attention_backend="triton",
-                                       mm_token_proportional_attention=True)
-    with pytest.raises(ConfigError, match="mm_token_proportional_attention runs on the reference attention backend"):
-        config.validate()
-    EngineConfig.from_options("unused", device="cpu", mm_token_proportional_attention=True).validate()

@@ -254,3 +254,77 @@ def test_fa4_backend_keeps_our_kernel_where_fa4_does_not_take_the_inputs(device:
         q = torch.randn(sum(q_lens), 8, 64, generator=gen).to(device)
         expected = TritonBackend().forward(q, cache, meta, 0.125)
         torch.testing.assert_close(FlashAttn4Backend().forward(q, cache, meta, 0.125), expected, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- per-slot key bias (proportional attention)
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_adds_the_key_bias_by_slot(device: str, dtype: torch.dtype, num_splits: int) -> None:
+    gen = torch.Generator().manual_seed(11 + num_splits)
+    kv_heads, group, head_dim, num_blocks = 2, 4, 64, 16
+    seq_lens = [37, 1, 83, 16]
+    cache = make_cache(num_blocks, kv_heads, head_dim, dtype, device, gen)
+    tables = make_block_tables(seq_lens, num_blocks, gen, device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(seq_lens), group * kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    bias = (torch.rand(num_blocks * BLOCK_SIZE, generator=gen) * 3).log1p().to(device)  # log-counts-like, >= 0
+    out = paged_decode(q, cache, tables, lens, 0.125, num_splits=num_splits, out=poisoned_like(q), key_bias=bias)
+    ref = paged_decode_reference(q, cache, tables, lens, 0.125, key_bias=bias)
+    assert_close(out, ref, dtype)
+    assert (ref - paged_decode_reference(q, cache, tables, lens, 0.125)).abs().max() > 1e-2  # the bias mattered
+    zero = paged_decode(q, cache, tables, lens, 0.125, num_splits=num_splits, key_bias=torch.zeros_like(bias))
+    assert torch.equal(zero, paged_decode(q, cache, tables, lens, 0.125, num_splits=num_splits))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_lens,ctx_lens", [([40, 17], [0, 0]), ([1, 23, 1, 5], [45, 9, 16, 0]), ([9, 30], [150, 70])],
+                         ids=["prefill", "mixed", "long-prefix"])
+def test_paged_prefill_adds_the_key_bias_by_slot(device: str, dtype: torch.dtype, q_lens: list[int],
+                                                 ctx_lens: list[int]) -> None:
+    q, cache, qsl, lens, tables = _prefill_case(q_lens, ctx_lens, 4, 64, dtype, device, seed=5 + len(q_lens))
+    gen = torch.Generator().manual_seed(len(q_lens))
+    bias = (torch.rand(cache.shape[1] * BLOCK_SIZE, generator=gen) * 3).log1p().to(device)
+    out = paged_prefill(q, cache, qsl, lens, tables, 0.125, max_query_len=max(q_lens), out=poisoned_like(q),
+                        key_bias=bias)
+    ref = paged_prefill_reference(q, cache, qsl, lens, tables, 0.125, key_bias=bias)
+    assert_close(out, ref, dtype)
+    assert (ref - paged_prefill_reference(q, cache, qsl, lens, tables, 0.125)).abs().max() > 1e-2
+    plain = paged_prefill(q, cache, qsl, lens, tables, 0.125, max_query_len=max(q_lens))
+    zero = paged_prefill(q, cache, qsl, lens, tables, 0.125, max_query_len=max(q_lens),
+                         key_bias=torch.zeros_like(bias))
+    assert torch.equal(zero, plain)  # a zero bias is the unbiased kernel's answer, bit for bit
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_lens,ctx_lens", [([1, 1, 1], [30, 0, 64]), ([12, 1, 30], [0, 40, 5])],
+                         ids=["decode", "mixed"])
+def test_backends_write_and_read_the_key_bias_alike(device: str, q_lens: list[int], ctx_lens: list[int]) -> None:
+    """The step's new keys' bias lands in their slots (with the keys) and both backends read it; the fa4 backend
+    takes our kernel for a biased step."""
+    from flashvlm.attention.flash_attn4 import FlashAttn4Backend
+
+    gen = torch.Generator().manual_seed(17 + sum(q_lens))
+    kv_heads, heads, head_dim, num_blocks = 2, 8, 64, 20
+    seq_lens = [a + b for a, b in zip(q_lens, ctx_lens)]
+    cache = make_cache(num_blocks, kv_heads, head_dim, torch.float32, device, gen)
+    tables = make_block_tables(seq_lens, num_blocks, gen, device)
+    n = sum(q_lens)
+    stored = (torch.rand(num_blocks * BLOCK_SIZE, generator=gen) * 2).log1p().to(device)
+    new = (torch.rand(n, generator=gen) * 2).log1p().to(device)
+    meta = _meta(q_lens, ctx_lens, tables, device)
+    q = torch.randn(n, heads, head_dim, generator=gen).to(device)
+    k = torch.randn(n, kv_heads, head_dim, generator=gen).to(device)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(device)
+    outs = []
+    for backend in (ReferenceBackend(), TritonBackend(), FlashAttn4Backend()):
+        slot_bias = stored.clone()
+        biased = AttentionMetadata.of(meta, slot_bias=slot_bias, new_token_bias=new)
+        kv = cache.clone()
+        backend.write_kv(k, v, kv, biased)
+        assert torch.equal(slot_bias[meta.slot_mapping], new)
+        outs.append(backend.forward(q, kv, biased, head_dim**-0.5))
+    assert_close(outs[1], outs[0], torch.float32)
+    torch.testing.assert_close(outs[2], outs[1], rtol=0, atol=0)

@@ -44,6 +44,29 @@ def test_triton_backend_matches_reference(tmp_path, architecture: str) -> None:
     assert outs["triton"] == outs["reference"]
 
 
+def test_proportional_attention_on_the_triton_backend_matches_reference(tmp_path) -> None:
+    """Pruned images' key bias through the Triton kernels (prefill chunks, decode) and the reference backend."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = str(build_qwen2_vl(tmp_path / "m", seed=13))
+    rng = np.random.default_rng(4)
+    prompts = [{"prompt": IMG + "How many shapes?", "images": [rng.integers(0, 256, (112, 112, 3), np.uint8)]},
+               {"prompt": "Text first, then " + IMG, "images": [rng.integers(0, 256, (112, 168, 3), np.uint8)]}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs, logits = {}, {}
+    for backend in ("reference", "triton"):
+        llm = LLM(path, device=device, dtype="float32", kv_cache_tokens=1024, max_num_batched_tokens=16,
+                  attention_backend=backend, kernel_backend="torch", mm_token_pruning="divprune",
+                  mm_token_keep_ratio=0.25, mm_token_proportional_attention=True)
+        assert llm.engine.runner.executor.slot_bias is not None and not llm.engine.runner.use_cuda_graphs
+        llm.engine.runner.record_logits = True
+        done = llm.generate(prompts, params)
+        outs[backend] = [(o.token_ids, o.num_image_tokens_kept) for o in done]
+        logits[backend] = torch.stack([llm.engine.runner.recorded_logits[o.request_id][0] for o in done])
+    assert outs["triton"] == outs["reference"]
+    assert [kept for _, kept in outs["reference"]] == [4, 6]
+    torch.testing.assert_close(logits["triton"], logits["reference"], rtol=1e-4, atol=1e-4)
+
+
 @BUILDERS
 def test_fused_rotary_feeds_strided_queries_to_the_kernels(build, tmp_path, monkeypatch) -> None:
     """With the fused rotary kernel (decoder, Qwen3's with its QK-norm, and the vision tower's float32 variant), q
