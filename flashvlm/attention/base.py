@@ -44,9 +44,7 @@ class AttentionStep:
     """Bound on any sequence's context (exact on eager steps; max_model_len under graphs)."""
     slot_bias: torch.Tensor | None = None
     """(num_blocks * block_size,) float32 or None: a logit bias on every key of the cache by slot (proportional
-    attention over pruned images' kept tokens), read by the backends that take one (reference)."""
-    new_token_bias: torch.Tensor | None = None
-    """(N,) float32: the bias of this step's new keys, written into slot_bias with them (0 for text)."""
+    attention over pruned images' kept tokens), added by every backend; `write_key_bias` fills it each step."""
 
     @property
     def num_seqs(self) -> int:
@@ -147,14 +145,18 @@ class AttentionBackend(ABC):
             k, v = quantize_kv(k, k_scale), quantize_kv(v, v_scale)
         scatter_into(key_cache, meta.slot_mapping, k.to(kv_cache.dtype))
         scatter_into(value_cache, meta.slot_mapping, v.to(kv_cache.dtype))
-        if meta.slot_bias is not None and meta.new_token_bias is not None:
-            meta.slot_bias.index_copy_(0, meta.slot_mapping, meta.new_token_bias)
 
     @abstractmethod
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """q: (N, heads, head_dim) -> (N, heads, head_dim); causal over each sequence's context. An FP8 cache is
         read as its stored values times k_scale / v_scale."""
+
+
+def write_key_bias(slot_bias: torch.Tensor, slot_mapping: torch.Tensor, bias: torch.Tensor) -> None:
+    """Store the key bias of a step's new tokens (0 for text) in their cache slots, once a step for every layer:
+    a slot a freed block left behind gets its new owner's bias."""
+    slot_bias.index_copy_(0, slot_mapping, bias)
 
 
 ATTENTION_BACKENDS: dict[str, str] = {

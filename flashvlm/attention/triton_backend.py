@@ -46,11 +46,6 @@ class TritonBackend(AttentionBackend):
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
         kv_write(k, v, kv_cache, meta.slot_mapping, *self._scales(kv_cache, k_scale, v_scale))
-        if meta.slot_bias is not None and meta.new_token_bias is not None:
-            # Padding tokens (slot -1) write 0 into slot 0, in the null block no sequence reads.
-            written = meta.slot_mapping >= 0
-            meta.slot_bias.index_copy_(0, meta.slot_mapping.clamp(min=0),
-                                       torch.where(written, meta.new_token_bias, 0.0))
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashvlm.attention.base import AttentionBackend
+from flashvlm.attention.base import AttentionBackend, write_key_bias
 from flashvlm.config import EngineConfig
 from flashvlm.engine.sched_output import SchedulerOutput
 from flashvlm.layers.attention import ForwardContext
@@ -87,8 +87,9 @@ class StepExecutor:
         self.dtype, self.device = dtype, device
         self.kv_caches: list[torch.Tensor] = []
         self.slot_bias: torch.Tensor | None = None
-        """(slots,) float32 with proportional attention: each KV slot's key bias (attention/base.py); the runner
-        allocates it with the KV cache. Only eager steps run with it (the runner then captures no graphs)."""
+        """(slots,) float32 with proportional attention: each KV slot's key bias (attention/base.py), written for
+        every step's new tokens here; the runner allocates it with the KV cache. Only eager steps run with it (the
+        runner then captures no graphs)."""
         self.decode_graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
         """Graphs for prefill and mixed steps up to config.prefill_graph_max_tokens (CUDA only)."""
@@ -161,7 +162,8 @@ class StepExecutor:
             return self.step_graphs.run(embeds, inputs.positions, inputs.attn_step, inputs.sample_rows)
         meta = self.backend.build_metadata(inputs.attn_step)
         if token_bias is not None:
-            meta = dataclasses.replace(meta, slot_bias=self.slot_bias, new_token_bias=token_bias)
+            write_key_bias(self.slot_bias, meta.slot_mapping, token_bias)
+            meta = dataclasses.replace(meta, slot_bias=self.slot_bias)
         ctx = ForwardContext(attn_meta=meta, kv_caches=self.kv_caches, backend=self.backend)
         hidden = self.model(embeds, inputs.positions, ctx)
         return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
