@@ -106,15 +106,16 @@ class PruningStrategy(ABC):
         """The fewest tokens it keeps of an image of `grid` (the memory profile's bound)."""
         return self.planned_count(grid.num_tokens, keep_ratio)
 
-    def select(self, embeddings: Tensor, grid: TokenGrid, keep_ratio: float) -> Tensor:
-        """Sorted int64 indices (into the rows of `embeddings`, on its device) of the tokens to keep."""
+    def select(self, embeddings: Tensor, grid: TokenGrid, keep_ratio: float, use_kernels: bool = True) -> Tensor:
+        """Sorted int64 indices (into the rows of `embeddings`, on its device) of the tokens to keep. use_kernels:
+        whether a strategy may run its Triton kernels on CUDA tensors (the engine's kernel_backend)."""
         if embeddings.dim() != 2:
             raise ValueError(f"{self.name}: embeddings must be (tokens, dim), got shape {tuple(embeddings.shape)}")
         _check_rows(self.name, embeddings.shape[0], "embeddings", grid)
-        return self._select(embeddings, grid, validate_keep_ratio(keep_ratio))
+        return self._select(embeddings, grid, validate_keep_ratio(keep_ratio), use_kernels)
 
     @abstractmethod
-    def _select(self, embeddings: Tensor, grid: TokenGrid, keep_ratio: float) -> Tensor:
+    def _select(self, embeddings: Tensor, grid: TokenGrid, keep_ratio: float, use_kernels: bool) -> Tensor:
         raise NotImplementedError
 
 

@@ -13,5 +13,6 @@ class KeepAllStrategy(PruningStrategy):
     def planned_count(self, num_tokens: int, keep_ratio: float) -> int:
         return num_tokens
 
-    def _select(self, embeddings: torch.Tensor, grid: TokenGrid, keep_ratio: float) -> torch.Tensor:
+    def _select(self, embeddings: torch.Tensor, grid: TokenGrid, keep_ratio: float,
+                use_kernels: bool) -> torch.Tensor:
         return torch.arange(grid.num_tokens, dtype=torch.int64, device=embeddings.device)

@@ -60,7 +60,8 @@ class PoolStrategy(PruningStrategy):
 
     name = "pool"
 
-    def _select(self, embeddings: torch.Tensor, grid: TokenGrid, keep_ratio: float) -> torch.Tensor:
+    def _select(self, embeddings: torch.Tensor, grid: TokenGrid, keep_ratio: float,
+                use_kernels: bool) -> torch.Tensor:
         count = kept_count(grid.num_tokens, keep_ratio)
         if embeddings.device.type == "cuda":
             return _pinned_pool_indices(grid, count).to(embeddings.device, non_blocking=True)

@@ -108,13 +108,14 @@ class TokenPruning:
             return f"{self.strategy}:{self.keep_ratio!r}"
         return f"{self.strategy}:{self.keep_ratio!r}:{self.dedup_threshold!r}:tile{DEFAULT_DEDUP_TILE}"
 
-    def select(self, embeddings: Any) -> Any:
-        """The sorted kept indices (a tensor on the embeddings' device) of the full `embeddings`."""
+    def select(self, embeddings: Any, use_kernels: bool = True) -> Any:
+        """The sorted kept indices (a tensor on the embeddings' device) of the full `embeddings` (use_kernels: the
+        strategy may run its Triton kernels)."""
         if self.kept is not None:
             import torch
 
             return torch.tensor(self.kept, dtype=torch.int64).to(embeddings.device)
-        return get_strategy(self.strategy).select(embeddings, self.grid, self.keep_ratio)
+        return get_strategy(self.strategy).select(embeddings, self.grid, self.keep_ratio, use_kernels)
 
 
 NO_GRID_EXAMPLES = ("LLaVA-NeXT: a base image, then tiles with a newline token per row; LLaVA with "

@@ -89,7 +89,8 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         """Vision embeddings by mm_hash; the scheduler's EncoderCacheManager decides what stays."""
         self.kept_tokens = KeptTokens(self.model.language_model.embed_tokens.embedding_dim,
-                                      proportional=config.model.mm_token_proportional_attention)
+                                      proportional=config.model.mm_token_proportional_attention,
+                                      use_kernels=config.kernel_backend == "triton")
         """Pruned images' kept indices (chosen from encoder_outputs) and the positions built from them."""
         self.num_encoded_images = 0
         """Images run through the vision tower since start (cache tests and stats)."""

@@ -44,12 +44,14 @@ class KeptTokens:
     """Kept indices by (mm_hash, setting key), on the device for the splice and on the host for the positions,
     and which indices each request's stored positions were built from."""
 
-    def __init__(self, feature_width: int | None = None, proportional: bool = False) -> None:
+    def __init__(self, feature_width: int | None = None, proportional: bool = False, use_kernels: bool = True) -> None:
         self.feature_width = feature_width
         """The leading columns of an embedding row a strategy compares (the language model's hidden size): rows
         may carry more (Qwen3-VL's DeepStack features), which the kept indices select along with them."""
         self.proportional = proportional
         """Proportional attention: each kept token's key carries log(tokens it stands for) (`image_bias`)."""
+        self.use_kernels = use_kernels
+        """Strategies may run their Triton kernels (the engine's kernel_backend is "triton")."""
         self._kept: dict[str, dict[str, tuple[torch.Tensor, np.ndarray]]] = {}
         self._log_counts: dict[str, dict[str, torch.Tensor]] = {}
         self._positioned: dict[str, dict[int, np.ndarray]] = {}
@@ -68,7 +70,7 @@ class KeptTokens:
                 host = item.pruning.kept
                 chosen = _to_device(host, embeddings.device)
             else:
-                chosen = item.pruning.select(embeddings[:, :self.feature_width])
+                chosen = item.pruning.select(embeddings[:, :self.feature_width], self.use_kernels)
                 host = chosen.cpu().numpy()
             if host.shape[0] != item.num_tokens:
                 raise RuntimeError(f"{item.pruning.strategy} kept {host.shape[0]} tokens of image {item.mm_hash}; "
