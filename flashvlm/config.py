@@ -125,7 +125,7 @@ class ModelConfig:
         False, help="with visual-token pruning, add log(tokens it stands for) to the attention logits on each kept "
                     "image token's key: each dropped token counts for the kept token nearest to it (cosine of the "
                     "embeddings), so a kept background token weighs as much as the tokens it replaced "
-                    "(docs/pruning.md); the engine then captures no CUDA graphs")
+                    "(docs/pruning.md)")
     hf_overrides: dict[str, Any] = option(default_factory=dict, cli=False,
                                           help="keyword overrides for the checkpoint's transformers config "
                                                "(passed to AutoConfig.from_pretrained)")

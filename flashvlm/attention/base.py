@@ -153,10 +153,15 @@ class AttentionBackend(ABC):
         read as its stored values times k_scale / v_scale."""
 
 
-def write_key_bias(slot_bias: torch.Tensor, slot_mapping: torch.Tensor, bias: torch.Tensor) -> None:
-    """Store the key bias of a step's new tokens (0 for text) in their cache slots, once a step for every layer:
-    a slot a freed block left behind gets its new owner's bias."""
-    slot_bias.index_copy_(0, slot_mapping, bias)
+def write_key_bias(slot_bias: torch.Tensor, slot_mapping: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """Store the key bias of a step's new tokens (None: 0 each, as for text) in their cache slots, once a step for
+    every layer: a slot a freed block left behind gets its new owner's bias. A graph's padding tokens (slot -1)
+    write their zeros into slot 0, in the null block, which no sequence reads."""
+    slots = slot_mapping.clamp_min(0)
+    if bias is None:
+        slot_bias.index_fill_(0, slots, 0.0)
+    else:
+        slot_bias.index_copy_(0, slots, bias)
 
 
 ATTENTION_BACKENDS: dict[str, str] = {

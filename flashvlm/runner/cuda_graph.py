@@ -16,6 +16,7 @@ an all-greedy step needs no sampler kernels (runner/lookahead.py).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from flashvlm.attention.base import AttentionBackend, GraphAttentionBuffers
+from flashvlm.attention.base import AttentionBackend, GraphAttentionBuffers, write_key_bias
 from flashvlm.layers.attention import ForwardContext
 from flashvlm.models.interfaces import VLModel
 from flashvlm.runner.inputs import DecodeBatch
@@ -108,10 +109,14 @@ class DecodeGraphs(GraphSet):
     name = "decode graphs"
 
     def __init__(self, model: VLModel, backend: AttentionBackend, kv_caches: list[torch.Tensor], max_num_seqs: int,
-                 max_model_len: int, block_size: int, device: torch.device) -> None:
+                 max_model_len: int, block_size: int, device: torch.device,
+                 slot_bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.block_size = block_size
+        self.slot_bias = slot_bias
+        """The executor's per-slot key bias (proportional attention) or None: a decoded token is text, so each
+        graph zeroes its new slots' bias and its attention reads everyone's."""
         self.sizes = self.keys = capture_sizes(max_num_seqs)
         n = self.sizes[-1]
         max_blocks = (max_model_len + block_size - 1) // block_size
@@ -140,6 +145,9 @@ class DecodeGraphs(GraphSet):
         # One new token per sequence, any context up to max_model_len.
         meta = self.backend.graph_metadata(self.attn_buffers, size, size, max_query_len=1,
                                            max_seq_len=self.max_model_len)
+        if self.slot_bias is not None:
+            write_key_bias(self.slot_bias, self.slot_mapping[:size])
+            meta = dataclasses.replace(meta, slot_bias=self.slot_bias)
         ctx = ForwardContext(attn_meta=meta, kv_caches=self.kv_caches, backend=self.backend)
         embeds = self.model.embed_tokens(self.input_ids[:size])
         positions = self.positions[..., :size]

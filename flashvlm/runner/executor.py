@@ -88,8 +88,8 @@ class StepExecutor:
         self.kv_caches: list[torch.Tensor] = []
         self.slot_bias: torch.Tensor | None = None
         """(slots,) float32 with proportional attention: each KV slot's key bias (attention/base.py), written for
-        every step's new tokens here; the runner allocates it with the KV cache. Only eager steps run with it (the
-        runner then captures no graphs)."""
+        every step's new tokens (here for eager steps, inside the graphs for theirs); the runner allocates it with
+        the KV cache, before any graph is captured."""
         self.decode_graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
         """Graphs for prefill and mixed steps up to config.prefill_graph_max_tokens (CUDA only)."""
@@ -101,7 +101,7 @@ class StepExecutor:
         """Capture the decode graphs (and the lookahead on them) and the step graphs over `self.kv_caches`."""
         sched = config.scheduler
         self.decode_graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, sched.max_num_seqs,
-                                          max_model_len, self.block_size, self.device)
+                                          max_model_len, self.block_size, self.device, self.slot_bias)
         self.decode_graphs.capture()
         if config.decode_lookahead:
             self.pipeline = GreedyDecodePipeline(self.decode_graphs, self.block_size, max_model_len)
@@ -113,7 +113,7 @@ class StepExecutor:
     def build_step_graphs(self, max_tokens: int, max_num_seqs: int, max_model_len: int) -> StepGraphs:
         hidden = self.model.embedding_width
         return StepGraphs(self.model, self.backend, self.kv_caches, max_tokens, max_num_seqs, max_model_len,
-                          self.block_size, hidden, self.dtype, self.device)
+                          self.block_size, hidden, self.dtype, self.device, self.slot_bias)
 
     # ---- the one decision ----------------------------------------------------------------------
     def plan(self, out: SchedulerOutput, positions: PositionStore, allow_lookahead: bool = True) -> StepPlan:
@@ -153,13 +153,11 @@ class StepExecutor:
         embeds = self.model.embed_tokens(inputs.input_ids)
         token_bias = None
         if self.slot_bias is not None:
-            if plan.path is not ExecutionPath.EAGER:
-                raise RuntimeError("proportional attention runs eager steps only")
             token_bias = torch.zeros(embeds.shape[0], dtype=torch.float32, device=embeds.device)
         # The vision tower's output enters before any graph, so graphs and eager steps splice alike.
         splice_image_embeddings(out, embeds, encoder_outputs, kept_tokens, token_bias)
         if plan.path is ExecutionPath.STEP_GRAPH:
-            return self.step_graphs.run(embeds, inputs.positions, inputs.attn_step, inputs.sample_rows)
+            return self.step_graphs.run(embeds, inputs.positions, inputs.attn_step, inputs.sample_rows, token_bias)
         meta = self.backend.build_metadata(inputs.attn_step)
         if token_bias is not None:
             write_key_bias(self.slot_bias, meta.slot_mapping, token_bias)

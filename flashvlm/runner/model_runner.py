@@ -65,9 +65,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         self.backend = get_backend(attention_backend)  # EngineLimits.attention_backend
-        # Proportional attention's per-step key bias has no graph buffers yet: its steps run eagerly.
         self.use_cuda_graphs = (not config.enforce_eager and self.device.type == "cuda"
-                                and self.backend.graph_capturable and not config.model.mm_token_proportional_attention)
+                                and self.backend.graph_capturable)
         if self.backend.graph_capturable:
             # Decode split counts follow the batch shape only, never the step's lengths: graphs need that, and
             # eager steps use the same splits so both paths reduce in the same order (identical bf16 results).

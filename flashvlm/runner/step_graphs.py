@@ -15,9 +15,11 @@ of each sequence's last token.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from flashvlm.attention.base import AttentionBackend, AttentionStep
+from flashvlm.attention.base import AttentionBackend, AttentionStep, write_key_bias
 from flashvlm.config import EngineConfig
 from flashvlm.layers.attention import ForwardContext
 from flashvlm.models.interfaces import VLModel
@@ -65,7 +67,7 @@ class StepGraphs(GraphSet):
 
     def __init__(self, model: VLModel, backend: AttentionBackend, kv_caches: list[torch.Tensor], max_tokens: int,
                  max_num_seqs: int, max_model_len: int, block_size: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, slot_bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.block_size, self.max_model_len = block_size, max_model_len
@@ -77,6 +79,10 @@ class StepGraphs(GraphSet):
         self.positions = torch.zeros((3, t_max) if model.uses_mrope else (t_max,), dtype=torch.long, device=device)
         self.attn_buffers = backend.graph_buffers(t_max, s_max, max_blocks, block_size, device)
         self.sample_rows = torch.zeros(s_max, dtype=torch.long, device=device)
+        self.slot_bias = slot_bias
+        """The executor's per-slot key bias (proportional attention) or None; with it, `token_bias` holds the
+        step's new tokens' bias (pruned images' kept tokens; 0 for text and padding), written with their keys."""
+        self.token_bias = None if slot_bias is None else torch.zeros(t_max, dtype=torch.float32, device=device)
 
     def bucket(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
         """The smallest bucket holding the step, None if the step is larger than every bucket."""
@@ -89,6 +95,9 @@ class StepGraphs(GraphSet):
         # max_query_len and max_seq_len as bounds, here the bucket's token count and max_model_len.
         meta = self.backend.graph_metadata(self.attn_buffers, tokens, seqs, max_query_len=tokens,
                                            max_seq_len=self.max_model_len)
+        if self.slot_bias is not None:
+            write_key_bias(self.slot_bias, self.attn_buffers.slot_mapping[:tokens], self.token_bias[:tokens])
+            meta = dataclasses.replace(meta, slot_bias=self.slot_bias)
         ctx = ForwardContext(attn_meta=meta, kv_caches=self.kv_caches, backend=self.backend)
         hidden = self.model(self.embeds[:tokens], self.positions[..., :tokens], ctx)
         return self.model.compute_logits(hidden.index_select(0, self.sample_rows[:seqs]))
@@ -99,9 +108,10 @@ class StepGraphs(GraphSet):
         self.sample_rows.zero_()
 
     def run(self, embeds: torch.Tensor, positions: torch.Tensor, step: AttentionStep,
-            sample_rows: torch.Tensor) -> torch.Tensor:
-        """Logits (len(sample_rows), vocab) of the step's sampled rows. Without a captured graph for the bucket
-        (CPU tests), the same padded body runs eagerly."""
+            sample_rows: torch.Tensor, token_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (len(sample_rows), vocab) of the step's sampled rows; token_bias: the new tokens' key bias (with
+        proportional attention). Without a captured graph for the bucket (CPU tests), the same padded body runs
+        eagerly."""
         n, b, k = embeds.shape[0], step.num_seqs, sample_rows.shape[0]
         key = self.bucket(n, b)
         if key is None:
@@ -111,6 +121,11 @@ class StepGraphs(GraphSet):
         self.embeds[n:tokens].zero_()
         self.positions[..., :n].copy_(positions)
         self.positions[..., n:tokens].zero_()
+        if self.token_bias is not None:
+            if token_bias is None:
+                raise ValueError("graphs captured with proportional attention need each step's token_bias")
+            self.token_bias[:n].copy_(token_bias)
+            self.token_bias[n:tokens].zero_()
         self.backend.fill_graph_buffers(self.attn_buffers, step, tokens, seqs)
         self.sample_rows[:k].copy_(sample_rows)
         self.sample_rows[k:seqs].zero_()

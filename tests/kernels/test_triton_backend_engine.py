@@ -57,7 +57,7 @@ def test_proportional_attention_on_the_triton_backend_matches_reference(tmp_path
         llm = LLM(path, device=device, dtype="float32", kv_cache_tokens=1024, max_num_batched_tokens=16,
                   attention_backend=backend, kernel_backend="torch", mm_token_pruning="divprune",
                   mm_token_keep_ratio=0.25, mm_token_proportional_attention=True)
-        assert llm.engine.runner.executor.slot_bias is not None and not llm.engine.runner.use_cuda_graphs
+        assert llm.engine.runner.executor.slot_bias is not None
         llm.engine.runner.record_logits = True
         done = llm.generate(prompts, params)
         outs[backend] = [(o.token_ids, o.num_image_tokens_kept) for o in done]
@@ -184,9 +184,9 @@ def test_step_graphs_serve_prefill_and_mixed_steps_with_the_same_tokens(build, t
     served = []
     run = runner.step_graphs.run
 
-    def counting_run(embeds, positions, meta, sample_rows):
+    def counting_run(embeds, positions, meta, sample_rows, token_bias=None):
         served.append((embeds.shape[0], meta.num_seqs))
-        return run(embeds, positions, meta, sample_rows)
+        return run(embeds, positions, meta, sample_rows, token_bias)
 
     runner.step_graphs.run = counting_run
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
@@ -233,6 +233,60 @@ def _decode_graphs_on_cpu(llm: LLM, lookahead: bool) -> None:
         # What the engine derives and passes when it builds the pipeline itself.
         engine.limits = dataclasses.replace(engine.limits, lookahead_slots=1)
         engine.scheduler._lookahead_slots = 1
+
+
+def _recorded(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[list, torch.Tensor]:
+    runner = llm.engine.runner
+    runner.record_logits, runner.recorded_logits = True, {}
+    done = llm.generate(prompts, params)
+    logits = torch.cat([torch.stack(runner.recorded_logits[o.request_id]) for o in done])
+    return [o.token_ids for o in done], logits
+
+
+def test_proportional_attention_through_the_graphs_gives_the_eager_answer(tmp_path) -> None:
+    """Pruned images' key bias through the step graphs (the step's token bias copied into their buffer, written
+    with the keys) and the decode graphs (each zeroes its new slots' bias) and the lookahead on them: the eager
+    path's tokens and logits. Then every slot's bias is set to 5, as stale values a freed block could leave: a
+    text prompt must still get the fresh eager engine's answer, so the graphs wrote its prompt's and its decoded
+    tokens' zeros (a stale 5 on those keys moves the logits far past the tolerance)."""
+    path = str(build_qwen2_vl(tmp_path / "m", seed=13))
+    rng = np.random.default_rng(4)
+    prompts = [{"prompt": IMG + "How many shapes?", "images": [rng.integers(0, 256, (112, 112, 3), np.uint8)]},
+               {"prompt": "Text first, then " + IMG, "images": [rng.integers(0, 256, (112, 168, 3), np.uint8)]},
+               {"prompt": "Only text."}]
+    text = [{"prompt": "A text question after the pictures?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    opts = dict(DECODE_OPTS, prefill_graph_max_tokens=32, max_num_batched_tokens=32, mm_token_pruning="divprune",
+                mm_token_keep_ratio=0.25, mm_token_proportional_attention=True)
+    eager = LLM(path, enforce_eager=True, **opts)
+    expected, expected_logits = _recorded(eager, prompts, params)
+    expected_text, expected_text_logits = _recorded(LLM(path, enforce_eager=True, **opts), text, params)
+
+    llm = LLM(path, **opts)
+    runner = llm.engine.runner
+    if runner.device.type == "cpu":
+        runner.step_graphs = runner.build_step_graphs(32)
+        _decode_graphs_on_cpu(llm, lookahead=False)
+        runner.graphs.slot_bias = runner.executor.slot_bias
+    assert runner.graphs.slot_bias is runner.executor.slot_bias is runner.step_graphs.slot_bias is not None
+    paths = []
+    plan = runner.executor.plan
+
+    def recording_plan(*args, **kwargs):
+        chosen = plan(*args, **kwargs)
+        paths.append(chosen.path.name)
+        return chosen
+
+    runner.executor.plan = recording_plan
+    got, got_logits = _recorded(llm, prompts, params)
+    assert got == expected
+    torch.testing.assert_close(got_logits, expected_logits, rtol=1e-4, atol=1e-4)
+    # Recorded logits keep decode steps off the lookahead, which replays the same decode graphs.
+    assert {"STEP_GRAPH", "DECODE_GRAPH"} <= set(paths) and "EAGER" not in paths, paths
+    runner.executor.slot_bias.fill_(5.0)
+    got_text, got_text_logits = _recorded(llm, text, params)
+    assert got_text == expected_text
+    torch.testing.assert_close(got_text_logits, expected_text_logits, rtol=1e-4, atol=1e-4)
 
 
 @BUILDERS
