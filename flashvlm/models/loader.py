@@ -15,6 +15,7 @@ import torch
 from flashvlm.config import ConfigError, ModelConfig
 from flashvlm.distributed.group import TPGroup
 from flashvlm.distributed.sharded_load import loads_sharded, local_config, narrow_checkpoint
+from flashvlm.layers.mlp import pad_unaligned_mlps
 from flashvlm.models.interfaces import VLModel
 from flashvlm.models.registry import ModelFamily, resolve_family
 from flashvlm.models.weight_utils import (
@@ -160,6 +161,7 @@ def load_model(model_config: ModelConfig, checkpoint: Checkpoint, device: str, d
         model = cls(hf_config)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
+        pad_unaligned_mlps(model)
         if round_here:
             quantize_model(model, quant_plan)
         return model.eval()
@@ -171,6 +173,7 @@ def load_model(model_config: ModelConfig, checkpoint: Checkpoint, device: str, d
         weights = narrow_checkpoint(weights, checkpoint.hf_config, tp_group, quant_plan)
     filled = model.load_weights((name, t.to(device)) for name, t in weights)
     check_all_loaded(model, filled)
+    pad_unaligned_mlps(model)
     if prequantized:
         finish_loading(model)
     elif round_here:

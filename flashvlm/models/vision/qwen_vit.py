@@ -241,7 +241,7 @@ class Qwen2_5VisionTower(QwenVisionTower):
     def __init__(self, cfg) -> None:
         dim = cfg.hidden_size
         super().__init__(cfg, dim, cfg.out_hidden_size, _rms_norm,
-                         lambda: GatedMLP(dim, cfg.intermediate_size, cfg.hidden_act, bias=True))
+                         lambda: GatedMLP(dim, cfg.intermediate_size, cfg.hidden_act, bias=True, pad_unaligned=True))
         self.window = cfg.window_size // self.merge // cfg.patch_size
         if self.window < 1:
             raise ValueError(f"window_size {cfg.window_size} is smaller than one merged token "
