@@ -41,6 +41,10 @@ class ModelCost:
     vit_matmul_params: int
     vit_depth: int
     vit_width: int
+    vit_full_layers: int = -1
+    """ViT layers attending over the whole image; the others attend within windows. -1: all of them."""
+    vit_window_patches: int = 0
+    """Patches of one attention window in the windowed layers (Qwen2.5-VL: (112 / 14)^2 = 64); 0: none."""
 
 
 def _linear_layers(module: nn.Module | None) -> list[nn.Module]:
@@ -80,12 +84,17 @@ def model_cost(model: nn.Module, kv_element_size: int | None = None) -> ModelCos
     depth = int(getattr(vc, "depth", None) or getattr(vc, "num_hidden_layers", 0))
     # Qwen2-VL names the ViT width embed_dim (its hidden_size is the merger's output); others hidden_size.
     width = int(getattr(vc, "embed_dim", None) or getattr(vc, "hidden_size", 0))
+    full_layers, window_patches = -1, 0
+    if getattr(vc, "fullatt_block_indexes", None) is not None and getattr(vc, "window_size", None):
+        full_layers = len(vc.fullatt_block_indexes)
+        window_patches = (int(vc.window_size) // int(vc.patch_size)) ** 2
     return ModelCost(
         lm_weight_bytes=_stored_bytes(lm_layers) + head_bytes,
         lm_matmul_params=_matmul_params(lm_layers), lm_head_params=head_params,
         num_layers=spec.num_layers, num_heads=attn.num_heads, head_dim=spec.head_dim,
         kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_elem,
-        vit_matmul_params=vit_params, vit_depth=depth, vit_width=width)
+        vit_matmul_params=vit_params, vit_depth=depth, vit_width=width, vit_full_layers=full_layers,
+        vit_window_patches=window_patches)
 
 
 def prefill_flops(cost: ModelCost, num_tokens: int, context: int = 0, num_sampled: int = 1) -> float:
@@ -98,8 +107,12 @@ def prefill_flops(cost: ModelCost, num_tokens: int, context: int = 0, num_sample
 
 
 def vision_flops(cost: ModelCost, num_patches: int) -> float:
-    """ViT FLOPs for one image of num_patches patches (full attention: an upper bound for windowed)."""
-    return 2.0 * num_patches * cost.vit_matmul_params + 4.0 * cost.vit_depth * cost.vit_width * num_patches ** 2
+    """ViT FLOPs for one image of num_patches patches. A windowed layer counts every window as whole (an image's
+    edge windows may be partial: an upper bound)."""
+    full = cost.vit_depth if cost.vit_full_layers < 0 else cost.vit_full_layers
+    window = min(cost.vit_window_patches or num_patches, num_patches)
+    keys_seen = full * num_patches ** 2 + (cost.vit_depth - full) * num_patches * window
+    return 2.0 * num_patches * cost.vit_matmul_params + 4.0 * cost.vit_width * keys_seen
 
 
 def decode_step_bytes(cost: ModelCost, context_lens: list[int]) -> float:

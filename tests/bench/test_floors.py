@@ -20,21 +20,20 @@ from flashvlm.bench.floors import (
     run_work,
     vision_flops,
 )
-from flashvlm.bench.model_configs import QWEN2_VL_7B
+from flashvlm.bench.model_configs import QWEN2_5_VL_7B, QWEN2_VL_7B
 from flashvlm.bench.records import BenchRequest, RequestRecord
 
 TINY = ModelCost(lm_weight_bytes=1000, lm_matmul_params=100, lm_head_params=10, num_layers=2, num_heads=2,
                  head_dim=4, kv_bytes_per_token=8, vit_matmul_params=50, vit_depth=1, vit_width=4)
 
 
-@pytest.fixture(scope="module")
-def qwen7b_cost(tmp_path_factory) -> ModelCost:
+def _meta_cost(tmp_path_factory, hf_config: dict) -> ModelCost:
     from transformers import AutoConfig
 
     from flashvlm.models.registry import resolve_family
 
     path = tmp_path_factory.mktemp("qwen7b")
-    (path / "config.json").write_text(json.dumps(QWEN2_VL_7B))
+    (path / "config.json").write_text(json.dumps(hf_config))
     config = AutoConfig.from_pretrained(path)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -44,6 +43,25 @@ def qwen7b_cost(tmp_path_factory) -> ModelCost:
     finally:
         torch.set_default_dtype(previous)
     return model_cost(model)
+
+
+@pytest.fixture(scope="module")
+def qwen7b_cost(tmp_path_factory) -> ModelCost:
+    return _meta_cost(tmp_path_factory, QWEN2_VL_7B)
+
+
+def test_windowed_vit_layers_count_their_windows_only(tmp_path_factory, qwen7b_cost: ModelCost) -> None:
+    """Qwen2.5-VL-7B: 4 of 32 layers attend over the whole image, 28 within windows of 8 x 8 patches."""
+    cost = _meta_cost(tmp_path_factory, QWEN2_5_VL_7B)
+    assert (cost.vit_full_layers, cost.vit_window_patches, cost.vit_depth) == (4, 64, 32)
+    assert (qwen7b_cost.vit_full_layers, qwen7b_cost.vit_window_patches) == (-1, 0)  # Qwen2-VL: all full
+    patches = 9216  # 1344x1344
+    attention = 4.0 * 1280 * (4 * patches**2 + 28 * patches * 64)
+    assert vision_flops(cost, patches) == pytest.approx(2.0 * patches * cost.vit_matmul_params + attention)
+    assert vision_flops(qwen7b_cost, patches) == pytest.approx(
+        2.0 * patches * qwen7b_cost.vit_matmul_params + 4.0 * 1280 * 32 * patches**2)
+    # An image smaller than one window: every layer sees the whole image.
+    assert vision_flops(cost, 16) == pytest.approx(2.0 * 16 * cost.vit_matmul_params + 4.0 * 1280 * 32 * 16**2)
 
 
 def _greedy_steps(decode_tokens: list[int], max_num_seqs: int) -> int:
