@@ -17,8 +17,9 @@
 #                        workloads beside vLLM (`--baseline vllm`; VLLM_PYTHON names an interpreter that imports
 #                        it, default python3); quant compares bf16 with FP8, INT8 and INT4 weights and an FP8 KV
 #                        cache, and times the quantized kernels; pruning times TTFT at 1344x1344 and 1920x1080
-#                        with no pruning, pool and divprune at keep ratio 0.25, and 512 requests of 1344x1344
-#                        offline unpruned and with divprune 0.25 (about 5 minutes a model)
+#                        with no pruning, pool and divprune at keep ratio 0.25 (divprune also with proportional
+#                        attention), and 512 requests of 1344x1344 offline unpruned and with divprune 0.25, with and
+#                        without proportional attention (about 6 minutes a model)
 #   --baseline-tree DIR  a second source tree (e.g. `git worktree add /tmp/before HEAD~1`): each job runs there
 #                        first, then here, and OUT/compare_<job>.txt holds `flashvlm bench compare` of the two
 #   --model DIR          a checkpoint folder instead of the 7B config (e.g. flashvlm/demo/checkpoint to try the
@@ -152,14 +153,16 @@ run_job() {  # job dir: run from inside the tree being measured
       local none='{"name": "none"}' size
       local pool='{"name": "pool-0.25", "mm_token_pruning": "pool", "mm_token_keep_ratio": 0.25}'
       local divprune='{"name": "divprune-0.25", "mm_token_pruning": "divprune", "mm_token_keep_ratio": 0.25}'
+      local pa='{"name": "divprune-0.25-pa", "mm_token_pruning": "divprune", "mm_token_keep_ratio": 0.25,
+                 "mm_token_proportional_attention": true}'
       for size in 1344x1344 1920x1080; do
         bench "$d/latency_$size" sweep --sweep-scenario latency "${M[@]}" --output-tokens 32 --image-size "$size" \
           --num-requests "$(n 10)" --warmup 2 --max-num-seqs 16 --max-num-batched-tokens 4096 \
-          --gpu-memory-utilization 0.5 --configs "[$none, $pool, $divprune]"
+          --gpu-memory-utilization 0.5 --configs "[$none, $pool, $divprune, $pa]"
       done
       bench "$d/throughput512_1344x1344" sweep --sweep-scenario throughput "${M[@]}" --output-tokens 128 \
         --image-size 1344x1344 --num-requests "$(n 512)" --max-num-seqs 256 --max-num-batched-tokens 8192 \
-        --gpu-memory-utilization 0.85 --configs "[$none, $divprune]" ;;
+        --gpu-memory-utilization 0.85 --configs "[$none, $divprune, $pa]" ;;
     structured)  # batch-32 decode with and without structured outputs (needs xgrammar)
       script "$d" scripts/gpu_structured_throughput.py ;;
     *) echo "unknown job: $job" >&2; return 2 ;;
