@@ -45,6 +45,8 @@ def _max_min_select_kernel(dist_ptr, seed_ptr, out_ptr, scratch_ptr, n, count,
         for start in range(0, n, BLOCK):
             offs = start + lanes
             tl.store(scratch_ptr + offs, tl.full([BLOCK], float("inf"), tl.float32), mask=offs < n)
+        # Every lane's inf is stored before any lane reads the scratch back (a lane may read another's element).
+        tl.debug_barrier()
         for step in range(count):
             tl.store(out_ptr + step, pick)
             best = tl.full([], float("-inf"), tl.float32)
@@ -52,7 +54,8 @@ def _max_min_select_kernel(dist_ptr, seed_ptr, out_ptr, scratch_ptr, n, count,
             for start in range(0, n, BLOCK):
                 offs = start + lanes
                 inside = offs < n
-                # Each lane reads back only what it wrote itself, so the scratch needs no barrier.
+                # A lane may read an element another lane already lowered in this pick: min is idempotent, so
+                # either value gives the same result; earlier picks' stores are ordered by the reductions' barriers.
                 kept = tl.load(scratch_ptr + offs, mask=inside, other=float("-inf"))
                 row = tl.load(dist_ptr + pick * n + offs, mask=inside, other=float("-inf"))
                 kept = tl.minimum(kept, row)

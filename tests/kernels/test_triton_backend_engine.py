@@ -245,10 +245,11 @@ def _recorded(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[li
 
 def test_proportional_attention_through_the_graphs_gives_the_eager_answer(tmp_path) -> None:
     """Pruned images' key bias through the step graphs (the step's token bias copied into their buffer, written
-    with the keys) and the decode graphs (each zeroes its new slots' bias) and the lookahead on them: the eager
-    path's tokens and logits. Then every slot's bias is set to 5, as stale values a freed block could leave: a
-    text prompt must still get the fresh eager engine's answer, so the graphs wrote its prompt's and its decoded
-    tokens' zeros (a stale 5 on those keys moves the logits far past the tolerance)."""
+    with the keys) and the decode graphs (each zeroes its new slots' bias): the eager path's tokens and logits.
+    Then every slot's bias is set to 5, as stale values a freed block could leave: a text prompt must still get
+    the fresh eager engine's answer, so the graphs wrote its prompt's and its decoded tokens' zeros (a stale 5 on
+    those keys moves the logits far past the tolerance). Recording logits keeps decode off the lookahead, so a
+    second engine runs the same through the lookahead (which replays the decode graphs), tokens only."""
     path = str(build_qwen2_vl(tmp_path / "m", seed=13))
     rng = np.random.default_rng(4)
     prompts = [{"prompt": IMG + "How many shapes?", "images": [rng.integers(0, 256, (112, 112, 3), np.uint8)]},
@@ -287,6 +288,20 @@ def test_proportional_attention_through_the_graphs_gives_the_eager_answer(tmp_pa
     got_text, got_text_logits = _recorded(llm, text, params)
     assert got_text == expected_text
     torch.testing.assert_close(got_text_logits, expected_text_logits, rtol=1e-4, atol=1e-4)
+
+    ahead = LLM(path, **opts)
+    runner = ahead.engine.runner
+    if runner.device.type == "cpu":
+        runner.step_graphs = runner.build_step_graphs(32)
+        _decode_graphs_on_cpu(ahead, lookahead=True)
+        runner.graphs.slot_bias = runner.executor.slot_bias
+    paths.clear()
+    plan = runner.executor.plan
+    runner.executor.plan = recording_plan
+    assert [o.token_ids for o in ahead.generate(prompts, params)] == expected
+    runner.executor.slot_bias.fill_(5.0)
+    assert [o.token_ids for o in ahead.generate(text, params)] == expected_text
+    assert "LOOKAHEAD" in paths and "EAGER" not in paths, paths
 
 
 @BUILDERS
