@@ -227,7 +227,7 @@ def _decode_graphs_on_cpu(llm: LLM, lookahead: bool) -> None:
     if runner.device.type != "cpu":
         return
     runner.graphs = DecodeGraphs(runner.model, runner.backend, runner.kv_caches, engine.config.scheduler.max_num_seqs,
-                                 engine.max_model_len, runner.block_size, runner.device)
+                                 engine.max_model_len, runner.block_size, runner.device, runner.executor.slot_bias)
     if lookahead:
         runner.pipeline = GreedyDecodePipeline(runner.graphs, runner.block_size, engine.max_model_len)
         # What the engine derives and passes when it builds the pipeline itself.
@@ -241,6 +241,26 @@ def _recorded(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[li
     done = llm.generate(prompts, params)
     logits = torch.cat([torch.stack(runner.recorded_logits[o.request_id]) for o in done])
     return [o.token_ids for o in done], logits
+
+
+def _graphed_llm(path: str, opts: dict, lookahead: bool) -> tuple[LLM, list[str]]:
+    """An engine whose steps take the graphs (on CPU their bodies, built as on CUDA), and the execution path of
+    every step it plans."""
+    llm = LLM(path, **opts)
+    runner = llm.engine.runner
+    if runner.device.type == "cpu":
+        runner.step_graphs = runner.build_step_graphs(32)
+        _decode_graphs_on_cpu(llm, lookahead=lookahead)
+    paths: list[str] = []
+    plan = runner.executor.plan
+
+    def recording_plan(*args, **kwargs):
+        chosen = plan(*args, **kwargs)
+        paths.append(chosen.path.name)
+        return chosen
+
+    runner.executor.plan = recording_plan
+    return llm, paths
 
 
 def test_proportional_attention_through_the_graphs_gives_the_eager_answer(tmp_path) -> None:
@@ -263,22 +283,9 @@ def test_proportional_attention_through_the_graphs_gives_the_eager_answer(tmp_pa
     expected, expected_logits = _recorded(eager, prompts, params)
     expected_text, expected_text_logits = _recorded(LLM(path, enforce_eager=True, **opts), text, params)
 
-    llm = LLM(path, **opts)
+    llm, paths = _graphed_llm(path, opts, lookahead=False)
     runner = llm.engine.runner
-    if runner.device.type == "cpu":
-        runner.step_graphs = runner.build_step_graphs(32)
-        _decode_graphs_on_cpu(llm, lookahead=False)
-        runner.graphs.slot_bias = runner.executor.slot_bias
     assert runner.graphs.slot_bias is runner.executor.slot_bias is runner.step_graphs.slot_bias is not None
-    paths = []
-    plan = runner.executor.plan
-
-    def recording_plan(*args, **kwargs):
-        chosen = plan(*args, **kwargs)
-        paths.append(chosen.path.name)
-        return chosen
-
-    runner.executor.plan = recording_plan
     got, got_logits = _recorded(llm, prompts, params)
     assert got == expected
     torch.testing.assert_close(got_logits, expected_logits, rtol=1e-4, atol=1e-4)
@@ -289,17 +296,9 @@ def test_proportional_attention_through_the_graphs_gives_the_eager_answer(tmp_pa
     assert got_text == expected_text
     torch.testing.assert_close(got_text_logits, expected_text_logits, rtol=1e-4, atol=1e-4)
 
-    ahead = LLM(path, **opts)
-    runner = ahead.engine.runner
-    if runner.device.type == "cpu":
-        runner.step_graphs = runner.build_step_graphs(32)
-        _decode_graphs_on_cpu(ahead, lookahead=True)
-        runner.graphs.slot_bias = runner.executor.slot_bias
-    paths.clear()
-    plan = runner.executor.plan
-    runner.executor.plan = recording_plan
+    ahead, paths = _graphed_llm(path, opts, lookahead=True)
     assert [o.token_ids for o in ahead.generate(prompts, params)] == expected
-    runner.executor.slot_bias.fill_(5.0)
+    ahead.engine.runner.executor.slot_bias.fill_(5.0)
     assert [o.token_ids for o in ahead.generate(text, params)] == expected_text
     assert "LOOKAHEAD" in paths and "EAGER" not in paths, paths
 
