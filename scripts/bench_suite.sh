@@ -8,7 +8,7 @@
 #
 #   --out DIR            results folder (default bench_out/suite)
 #   --jobs LIST          a subset of: latency throughput512 throughput caching sla agreement kernels profile
-#                        vllm quant families structured pruning (default: the first seven; roughly half an hour
+#                        vllm quant families structured pruning ray (default: the first seven; roughly half an hour
 #                        on one H200, estimated from the jobs' separate runs). families measures Qwen3-VL-8B,
 #                        LLaVA-v1.6-Mistral-7B and Fuyu-8B at 1008x756 and a 16-frame video on Qwen2.5-VL-7B and
 #                        Qwen3-VL-8B against transformers, and 512 requests of each (about 10 minutes; --model
@@ -19,7 +19,8 @@
 #                        cache, and times the quantized kernels; pruning times TTFT at 1344x1344 and 1920x1080
 #                        with no pruning, pool and divprune at keep ratio 0.25 (divprune also with proportional
 #                        attention), and 512 requests of 1344x1344 offline unpruned and with divprune 0.25, with and
-#                        without proportional attention (about 6 minutes a model)
+#                        without proportional attention (about 6 minutes a model); ray runs scripts/gpu_ray_overhead.sh
+#                        (about 6 minutes)
 #   --baseline-tree DIR  a second source tree (e.g. `git worktree add /tmp/before HEAD~1`): each job runs there
 #                        first, then here, and OUT/compare_<job>.txt holds `flashvlm bench compare` of the two
 #   --model DIR          a checkpoint folder instead of the 7B config (e.g. flashvlm/demo/checkpoint to try the
@@ -38,7 +39,7 @@ while [ $# -gt 0 ]; do
     --model) MODEL=$(cd "$2" && pwd) || exit 2; shift 2 ;;
     --benchmark-model) BENCH_MODEL=$2; shift 2 ;;
     --scale) SCALE=$2; shift 2 ;;
-    -h|--help) sed -n 2,28p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,29p "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -100,6 +101,10 @@ run_job() {  # job dir: run from inside the tree being measured
       mkdir -p "$d"
       OUT=$d NUM=$(n 300) MODEL_ARGS="${MODEL:+--model $MODEL}" bash scripts/gpu_sla.sh 2>&1 | tee "$d/log.txt" \
         | tail -40 ;;
+    ray)  # one Ray Serve replica against flashvlm serve, the same workload (needs the [serve] and [ray] extras)
+      mkdir -p "$d"
+      OUT=$d NUM=$(n 300) MODEL_ARGS="${MODEL:+--model $MODEL}" bash scripts/gpu_ray_overhead.sh 2>&1 \
+        | tee "$d/log.txt" | tail -40 ;;
     agreement)  # greedy tokens against transformers on the same random 7B weights
       script "$d" scripts/gpu_agreement_7b.py ;;
     kernels)  # greedy parity of the backends, kernel times, the decode GEMV, FA4 against cuDNN (if installed)

@@ -8,31 +8,17 @@
 # one H200), NUM (requests, 300), MODEL_ARGS (default: the Qwen2-VL-7B config with random weights), SIZE
 # (448x448), SEQS (max_num_seqs, 32), OUTPUT_TOKENS (64), PORT (8011).
 set -o pipefail
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-if [ -z "${MODEL_ARGS:-}" ]; then
-  python3 -c "from flashvlm.bench.model_configs import write_benchmark_model as w; w('qwen2-vl-7b', '/tmp/q7b')"
-  MODEL_ARGS="--model /tmp/q7b --load-format dummy --dtype bfloat16 --gpu-memory-utilization 0.6"
-fi
-PORT=${PORT:-8011}
+OUT=${OUT:-/tmp/out} PORT=${PORT:-8011}
+. "$(dirname "$0")/serve_common.sh"
 serve_and_measure() {  # name sla-config-file
-  # shellcheck disable=SC2086
-  python3 -m flashvlm.cli serve $MODEL_ARGS --served-model-name bench --port "$PORT" --max-num-seqs "${SEQS:-32}" \
-    --max-num-batched-tokens 4096 --max-model-len 4096 --sla-config "$2" --max-waiting-requests 2000 \
-    --disable-log-requests --uvicorn-log-level warning > "$OUT/server_$1.log" 2>&1 &
-  local pid=$!
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
-    kill -0 $pid 2> /dev/null || { echo "server $1 died"; tail -20 "$OUT/server_$1.log"; return 1; }
-    sleep 0.5
-  done
+  start_server "$1" --max-num-seqs "${SEQS:-32}" --max-num-batched-tokens 4096 --max-model-len 4096 \
+    --sla-config "$2" || return 1
   python3 -m flashvlm.cli bench serve --base-url "http://127.0.0.1:$PORT" --served-model bench \
     --num-requests "${NUM:-300}" --request-rate "$RATE" --image-size "${SIZE:-448x448}" --text-tokens 64 \
     --output-tokens "${OUTPUT_TOKENS:-64}" --tier gold:0.2,bronze:0.8 --seed 0 --no-progress \
     --goodput ttft:500 tpot:50 --out "$OUT/sla_$1" 2>&1 | grep -v "incorrect regex"
   curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^flashvlm:(num_preemptions|request_success)' > "$OUT/metrics_$1.txt"
-  kill $pid; wait $pid 2> /dev/null
+  stop_server
 }
 for RATE in ${RATES:-34 40}; do
   serve_and_measure "fcfs_$RATE" scripts/sla_fcfs_tiers.yaml

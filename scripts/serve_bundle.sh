@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Offline install of the [serve] extra and ray[serve] for an air-gapped GPU host (x86-64, Python 3.12), so that
 # `flashvlm serve`, `flashvlm serve --ray` and `flashvlm bench serve` run there: download the wheels on a machine
-# with internet, carry them over in parts of at most 40,000,000 bytes (a link that moves 64 MiB per transfer, the
-# repository's tree included), install them there into a folder on PYTHONPATH. Only what the host's image lacks
-# travels (HOST below); the ray wheel (79 MB) travels split across parts.
+# with internet, carry them over in parts of at most LIMIT bytes (default 28,000,000: the link moves 64 MiB per
+# transfer, the repository's tree of about 34 MB included), install them there into a folder on PYTHONPATH. Only
+# what the host's image lacks travels (HOST below); the ray wheel (79 MB) travels split across parts.
 #
 #   bash scripts/serve_bundle.sh            # with internet, in the repository: fills .serve/p1, .serve/p2, ...
 #                                           # and checks that the wheels plus HOST close every requirement
@@ -15,10 +15,12 @@
 #
 # Versions: pyproject.toml's [serve] ranges and ray[serve]==2.60.0 (inside the [ray] extra's range), as pip picks
 # them for CPython 3.12 on manylinux x86-64. .serve/ stays out of git (.gitignore). KEEP="name ..." carries host
-# packages too (for when the install's check says the host's version doesn't fit). CHECK=0 skips the install's
-# version check and imports (for a dry run of `install` on another Python).
+# packages too, for when the install's check says the host's version doesn't fit (default "aiohttp grpcio": ray
+# 2.60 needs aiohttp>=3.14.4 and, through grpcio-reflection, grpcio>=1.85.1; the host has 3.14.3 and 1.84.0).
+# CHECK=0 skips the install's version check and imports (for a dry run of `install` on another Python).
 set -euo pipefail
-OUTDIR=.serve DL=/tmp/servedl PARTS=/tmp/serveparts SITE=/tmp/servesite LIMIT=40000000 RAY='ray[serve]==2.60.0'
+OUTDIR=.serve DL=/tmp/servedl PARTS=/tmp/serveparts SITE=/tmp/servesite LIMIT=${LIMIT:-28000000} RAY='ray[serve]==2.60.0'
+KEEP=${KEEP-aiohttp grpcio}
 # The GPU host image's own packages (its documented list); their versions there: `pip show NAME`.
 HOST="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
 charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
@@ -45,7 +47,7 @@ wheel wrapt xarray xxhash yarl zipp"
 # markers read for CPython 3.12 on Linux x86-64, extras followed); each one must be a wheel there of a fitting
 # version, or else (MODE bundle) named in HOST, or (MODE host) installed here in a fitting version.
 check() {
-  HOST="$HOST" KEEP="${KEEP:-}" python3 - "$@" <<'EOF'
+  HOST="$HOST" KEEP="$KEEP" python3 - "$@" <<'EOF'
 import importlib.metadata as md
 import os
 import sys
@@ -133,7 +135,7 @@ case "${1:-bundle}" in
       | { grep -v "^WARNING: Location '.*' is ignored" || true; }
     # What the host has stays behind (the check below proves the rest closes the requirements).
     norm() { tr '[:upper:]_.' '[:lower:]--' <<< " $* "; }  # names as " a b c ", canonical
-    host=$(norm "${HOST//$'\n'/ }") keep=$(norm "${KEEP:-}")
+    host=$(norm "${HOST//$'\n'/ }") keep=$(norm "$KEEP")
     for w in "$DL"/all/*.whl; do
       n=$(basename "$w" | cut -d- -f1 | tr '[:upper:]_.' '[:lower:]--')
       if [[ $host == *" $n "* && $keep != *" $n "* ]]; then mv "$w" "$DL/host/"; fi

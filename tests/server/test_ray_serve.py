@@ -1,7 +1,8 @@
 """`flashvlm serve --ray` on a local Ray cluster (CPU, the embedded demo model), started once for the module: two
-replicas answer the OpenAI client; one image sent 20 times stays on one replica and hits its encoder cache; a
-conversation's next turn goes where its first turn ran; a killed replica loses no request that had not started;
-autoscaling goes from 1 to 2 replicas under a burst and back. Skipped without the [ray] extra."""
+replicas behind the front answer the OpenAI client; one image sent 20 times stays on one replica and hits its
+encoder cache; a conversation's next turn goes where its first turn ran; a killed replica loses no request that had
+not started; autoscaling goes from 1 to 2 replicas under a burst and back, through `build_application`'s layout
+(the ingress as a deployment behind Serve's HTTP proxy). Skipped without the [ray] extra."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from flashvlm.server.ray_serve.deployments import build_application  # noqa: E402
-from flashvlm.server.ray_serve.launch import APP_NAME  # noqa: E402
+from flashvlm.server.ray_serve.deployments import build_application, parse_serve_args  # noqa: E402
+from flashvlm.server.ray_serve.launch import APP_NAME, deploy  # noqa: E402
+from flashvlm.server.ray_serve.options import RayServeOptions  # noqa: E402
 from tests.server.conftest import png_bytes  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -44,12 +46,18 @@ def wait_for(what: str, check: Callable[[], Any], timeout_s: float = 60.0) -> An
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
+def free_port() -> int:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
+    return port
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    """Serve's HTTP proxy, where `build_application`'s all-Serve layout answers."""
+    port = free_port()
     # The workers import this checkout's flashvlm, one thread each (2 shared cores).
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
@@ -63,8 +71,16 @@ def base_url() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def two_replicas(base_url: str) -> Iterator[str]:
-    serve.run(build_application([*FLAGS, "--num-replicas", "2"]), name=APP_NAME, route_prefix="/")
-    yield base_url
+    """What `flashvlm serve --ray` runs: two engine replicas, and the front (the ingress under our own uvicorn) in
+    this process."""
+    args = parse_serve_args([*FLAGS, "--num-replicas", "2", "--port", str(free_port())])
+    server = deploy(args, RayServeOptions.from_args(args).validate())
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for("the front to listen", lambda: server.started)
+    yield f"http://127.0.0.1:{args.port}"
+    server.should_exit = True
+    thread.join(timeout=30)
     serve.delete(APP_NAME)
 
 

@@ -8,6 +8,8 @@ import asyncio
 import base64
 import json
 import random
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -255,7 +257,23 @@ def test_bridge_replays_a_request_and_streams_its_response() -> None:
 
         return SSEResponse(events())
 
-    app = Starlette(routes=[Route("/echo", echo, methods=["POST"]), Route("/stream", stream)])
+    async def burst(request: Request) -> SSEResponse:
+        async def events():
+            for i in range(50):
+                yield f"data: {i}\n\n"
+
+        return SSEResponse(events())
+
+    async def paced(request: Request) -> SSEResponse:
+        async def events():
+            for i in range(20):
+                yield f"data: {i}\n\n"
+                await asyncio.sleep(0.002)
+
+        return SSEResponse(events())
+
+    app = Starlette(routes=[Route("/echo", echo, methods=["POST"]), Route("/stream", stream),
+                            Route("/burst", burst), Route("/paced", paced)])
 
     async def main() -> None:
         parts = [p async for p in run_asgi(app, ForwardedRequest("POST", "/echo", b"x=1", (), b"hello"),
@@ -272,7 +290,32 @@ def test_bridge_replays_a_request_and_streams_its_response() -> None:
         await gen.aclose()  # the caller left mid-stream: the app's generator is closed, not left running
         assert seen.get("closed") is True
 
+        # A caller slower than the app takes what piled up as one item, every event whole and in order.
+        gen = run_asgi(app, ForwardedRequest("GET", "/burst"))
+        assert (await gen.__anext__()).is_event_stream
+        await asyncio.sleep(0.05)
+        rest = [p async for p in gen]
+        assert b"".join(rest) == "".join(f"data: {i}\n\n" for i in range(50)).encode()
+        assert len(rest) < 50
+
+        # With a batching interval the head goes at once, one event each; the rest, paced slower than the caller
+        # reads, waits for company, and the response's end sends it without waiting out the 30 s interval.
+        events = [f"data: {i}\n\n" for i in range(20)]
+        for interval, most in ((0.0, None), (30.0, 3)):
+            gen = run_asgi(app, ForwardedRequest("GET", "/paced"), batching_interval_s=interval)
+            assert (await gen.__anext__()).is_event_stream
+            rest = await asyncio.wait_for(_take_all(gen), 10)
+            assert b"".join(rest) == "".join(events).encode()
+            if most is None:
+                assert len(rest) > 3  # as they come
+            else:
+                assert rest[:2] == [events[0].encode(), events[1].encode()] and len(rest) == most
+
     asyncio.run(main())
+
+
+async def _take_all(gen: AsyncIterator[Any]) -> list[Any]:
+    return [p async for p in gen]
 
 
 def test_merged_metrics_carry_the_replica_label() -> None:

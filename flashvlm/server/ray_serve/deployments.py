@@ -42,6 +42,7 @@ from flashvlm.server.sse import SSEResponse
 
 logger = logging.getLogger("flashvlm.server.ray")
 
+ENGINE_DEPLOYMENT = "FlashvlmEngine"
 REPLICA_HEADER = b"x-flashvlm-replica"
 """Response header naming the replica that answered (its Serve replica id)."""
 LOST = (RayActorError, ActorUnavailableError)
@@ -59,10 +60,12 @@ class EngineReplica:
 
         self._app, self._engine, self._tracer = build_serving(serve_args)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._batching_interval_s = RayServeOptions.from_args(serve_args).stream_batching_interval_ms / 1000
 
     async def handle(self, ticket: RouteTicket, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         """The app's response to `request`: its ResponseStart, then its body chunks (`ticket` is the router's)."""
-        async for part in run_asgi(self._app, request, ((REPLICA_HEADER, self.replica_id.encode()),)):
+        async for part in run_asgi(self._app, request, ((REPLICA_HEADER, self.replica_id.encode()),),
+                                   self._batching_interval_s):
             yield part
 
     def check_health(self) -> None:
@@ -245,26 +248,35 @@ def _response(response: Response, start: ResponseStart, forwarded: ForwardedRequ
 
 
 def build_application(serve_args: argparse.Namespace | list[str]) -> Any:
-    """The Serve application of `flashvlm serve --ray` with these flags (a parsed namespace, or the argument list
-    `flashvlm serve` takes, e.g. ["--model", "/ckpt", "--num-replicas", "2"]). Run it with `serve.run(app)`."""
+    """A Serve application of `flashvlm serve --ray`'s deployments with these flags (a parsed namespace, or the
+    argument list `flashvlm serve` takes, e.g. ["--model", "/ckpt", "--num-replicas", "2"]), for composing into
+    your own Serve applications: the ingress as a deployment behind Serve's HTTP proxy. Run it with
+    `serve.run(app)`. `flashvlm serve --ray` itself runs the ingress in its own HTTP server instead (front.py)."""
     if not isinstance(serve_args, argparse.Namespace):
         serve_args = parse_serve_args(serve_args)
     options = RayServeOptions.from_args(serve_args).validate()
+    engine = engine_deployment(serve_args, options)
+    most_replicas = options.max_replicas or options.num_replicas
+    ingress = serve.deployment(Ingress, name="FlashvlmIngress", num_replicas=1,
+                               ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=most_replicas * engine.max_ongoing_requests + 64)
+    return ingress.bind(engine.bind(serve_args), ingress_settings(serve_args, options))
+
+
+def engine_deployment(serve_args: argparse.Namespace, options: RayServeOptions) -> Any:
+    """The engine replicas' Serve deployment (bind it to `serve_args`), routed by the cache-aware router."""
     engine_options = options.deployment_options(serve_args.max_num_seqs, serve_args.max_waiting_requests,
                                                 use_gpu=_wants_gpu(serve_args.device))
     router = RequestRouterConfig(request_router_class=CacheAffinityRouter,
                                  request_router_kwargs=options.router_kwargs())
-    engine = serve.deployment(EngineReplica, name="FlashvlmEngine", request_router_config=router,
-                              graceful_shutdown_timeout_s=max(1.0, serve_args.shutdown_timeout),
-                              **engine_options)
-    most_replicas = options.max_replicas or options.num_replicas
-    ingress = serve.deployment(Ingress, name="FlashvlmIngress", num_replicas=1,
-                               ray_actor_options={"num_cpus": 0},
-                               max_ongoing_requests=most_replicas * engine_options["max_ongoing_requests"] + 64)
-    settings = IngressSettings(block_chars=options.prefix_block_chars,
-                               max_body_bytes_in_flight=serve_args.max_body_bytes_in_flight,
-                               body_read_timeout_s=serve_args.body_read_timeout)
-    return ingress.bind(engine.bind(serve_args), settings)
+    return serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT, request_router_config=router,
+                            graceful_shutdown_timeout_s=max(1.0, serve_args.shutdown_timeout), **engine_options)
+
+
+def ingress_settings(serve_args: argparse.Namespace, options: RayServeOptions) -> IngressSettings:
+    return IngressSettings(block_chars=options.prefix_block_chars,
+                           max_body_bytes_in_flight=serve_args.max_body_bytes_in_flight,
+                           body_read_timeout_s=serve_args.body_read_timeout)
 
 
 def parse_serve_args(argv: list[str]) -> argparse.Namespace:

@@ -59,6 +59,11 @@ class RayServeOptions:
     prefix_block_chars: int = option(128, minimum=1,
                                      help="characters of the prompt text (images as their hashes) per prefix "
                                           "routing key; prompts shorter than this have no prefix key")
+    stream_batching_interval_ms: float = option(
+        50.0, check=_non_negative,
+        help="a replica sends a stream's chunks to the ingress at most once per this many ms (the first two, "
+             "the role delta and the first token, at once); each message crosses three Ray hops, which one per "
+             "token would saturate before the engine. 0: as they come")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RayServeOptions:
