@@ -20,7 +20,7 @@
 #                        with no pruning, pool and divprune at keep ratio 0.25 (divprune also with proportional
 #                        attention), and 512 requests of 1344x1344 offline unpruned and with divprune 0.25, with and
 #                        without proportional attention (about 6 minutes a model); ray runs scripts/gpu_ray_overhead.sh
-#                        (about 6 minutes)
+#                        at 448x448 and 1008x756 (about 8 minutes)
 #   --baseline-tree DIR  a second source tree (e.g. `git worktree add /tmp/before HEAD~1`): each job runs there
 #                        first, then here, and OUT/compare_<job>.txt holds `flashvlm bench compare` of the two
 #   --model DIR          a checkpoint folder instead of the 7B config (e.g. flashvlm/demo/checkpoint to try the
@@ -103,7 +103,8 @@ run_job() {  # job dir: run from inside the tree being measured
         | tail -40 ;;
     ray)  # one Ray Serve replica against flashvlm serve, the same workload (needs the [serve] and [ray] extras)
       mkdir -p "$d"
-      OUT=$d NUM=$(n 300) MODEL_ARGS="${MODEL:+--model $MODEL}" bash scripts/gpu_ray_overhead.sh 2>&1 \
+      OUT=$d NUM=$(n 300) SIZES="448x448 1008x756" MODEL_ARGS="${MODEL:+--model $MODEL}" \
+        bash scripts/gpu_ray_overhead.sh 2>&1 \
         | tee "$d/log.txt" | tail -40 ;;
     agreement)  # greedy tokens against transformers on the same random 7B weights
       script "$d" scripts/gpu_agreement_7b.py ;;

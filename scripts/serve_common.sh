@@ -24,6 +24,8 @@ start_server() {  # name serve-flags...: `flashvlm serve` on PORT, log in OUT/se
 
 stop_server() {  # SIGTERM (a script's background jobs ignore SIGINT), a minute to stop, then SIGKILL
   kill $SERVER_PID
-  for _ in $(seq 120); do kill -0 $SERVER_PID 2> /dev/null || break; sleep 0.5; done
+  for _ in $(seq 120); do kill -0 $SERVER_PID 2> /dev/null || { wait $SERVER_PID 2> /dev/null; return 0; }; sleep 0.5; done
   kill -9 $SERVER_PID 2> /dev/null; wait $SERVER_PID 2> /dev/null
+  # A killed `--ray` server leaves its local Ray cluster (and the replicas' GPU memory) behind.
+  python3 -m ray.scripts.scripts stop --force > /dev/null 2>&1 || true
 }

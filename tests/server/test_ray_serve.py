@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from flashvlm.server.ray_serve.deployments import build_application, parse_serve_args  # noqa: E402
-from flashvlm.server.ray_serve.launch import APP_NAME, deploy  # noqa: E402
+from flashvlm.server.ray_serve.launch import APP_NAME, build_front, deploy  # noqa: E402
 from flashvlm.server.ray_serve.options import RayServeOptions  # noqa: E402
 from tests.server.conftest import png_bytes  # noqa: E402
 
@@ -74,7 +74,8 @@ def two_replicas(base_url: str) -> Iterator[str]:
     """What `flashvlm serve --ray` runs: two engine replicas, and the front (the ingress under our own uvicorn) in
     this process."""
     args = parse_serve_args([*FLAGS, "--num-replicas", "2", "--port", str(free_port())])
-    server = deploy(args, RayServeOptions.from_args(args).validate())
+    server, front = build_front(args)
+    deploy(args, RayServeOptions.from_args(args).validate(), front)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_for("the front to listen", lambda: server.started)
@@ -130,6 +131,15 @@ def test_two_replicas_serve_the_openai_client(two_replicas: str) -> None:
         c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=-1)
     with pytest.raises(openai.NotFoundError):
         c.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    # A body past the 4 MiB message cap of Serve's gRPC path still reaches the replica (as an actor call): its
+    # own 400, not the front's 500.
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=-1,
+                                  user="u" * (5 << 20))
+    # The client's request id comes back, as from `flashvlm serve`.
+    raw = c.chat.completions.with_raw_response.create(model="demo", messages=[{"role": "user", "content": "x"}],
+                                                      max_tokens=1, extra_headers={"x-request-id": "client-7"})
+    assert raw.headers["x-request-id"] == "client-7"
     # Headers reach the replica's app: an SLA tier by header, and an unknown one refused there.
     tiered = c.chat.completions.with_raw_response.create(model="demo", messages=[{"role": "user", "content": "x"}],
                                                          max_tokens=1, extra_headers={"x-sla-tier": "gold"})

@@ -238,7 +238,7 @@ def test_bridge_replays_a_request_and_streams_its_response() -> None:
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from flashvlm.server.ray_serve.asgi_bridge import ForwardedRequest, ResponseStart, run_asgi
+    from flashvlm.server.ray_serve.asgi_bridge import MAX_ITEM_BYTES, ForwardedRequest, ResponseStart, run_asgi
     from flashvlm.server.sse import SSEResponse  # the server's streams, which close on a disconnect
 
     seen: dict[str, object] = {}
@@ -247,11 +247,13 @@ def test_bridge_replays_a_request_and_streams_its_response() -> None:
         return JSONResponse({"body": (await request.body()).decode(), "q": request.url.query}, status_code=201)
 
     async def stream(request: Request) -> SSEResponse:
+        gap = float(request.query_params.get("gap", 0))
+
         async def events():
             try:
                 for i in range(1000):
                     yield f"data: {i}\n\n"
-                    await asyncio.sleep(0)
+                    await asyncio.sleep(gap)
             finally:
                 seen["closed"] = True
 
@@ -272,8 +274,21 @@ def test_bridge_replays_a_request_and_streams_its_response() -> None:
 
         return SSEResponse(events())
 
+    async def failing(request: Request) -> SSEResponse:
+        async def events():
+            for i in range(3):
+                yield f"data: {i}\n\n"
+            await asyncio.sleep(0.01)  # inside the next item's batching wait
+            raise RuntimeError("the app broke mid-stream")
+
+        return SSEResponse(events())
+
+    async def big(request: Request) -> JSONResponse:
+        return JSONResponse({"text": "x" * (3 * MAX_ITEM_BYTES)})
+
     app = Starlette(routes=[Route("/echo", echo, methods=["POST"]), Route("/stream", stream),
-                            Route("/burst", burst), Route("/paced", paced)])
+                            Route("/burst", burst), Route("/paced", paced), Route("/failing", failing),
+                            Route("/big", big)])
 
     async def main() -> None:
         parts = [p async for p in run_asgi(app, ForwardedRequest("POST", "/echo", b"x=1", (), b"hello"),
@@ -311,7 +326,51 @@ def test_bridge_replays_a_request_and_streams_its_response() -> None:
             else:
                 assert rest[:2] == [events[0].encode(), events[1].encode()] and len(rest) == most
 
+        # An app that fails while the next item waits out its interval: what it sent arrives, then the error.
+        gen = run_asgi(app, ForwardedRequest("GET", "/failing"), batching_interval_s=30.0)
+        got: list[Any] = []
+        with pytest.raises(Exception) as failure:  # the app's error, inside the SSE task group's group
+            while True:
+                got.append(await asyncio.wait_for(gen.__anext__(), 10))
+        causes = getattr(failure.value, "exceptions", [failure.value])
+        assert any("broke mid-stream" in str(c) for c in causes)
+        assert b"".join(got[1:]) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+
+        # A caller that leaves during the wait closes the app's stream, as a disconnect does.
+        seen.pop("closed")
+        gen = run_asgi(app, ForwardedRequest("GET", "/stream", b"gap=0.01"), batching_interval_s=30.0)
+        for _ in range(3):
+            await gen.__anext__()
+        waiting = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await gen.aclose()
+        assert seen.get("closed") is True
+
+        # A body larger than one item leaves in slices (each a message of Serve's gRPC path, capped at 4 MiB).
+        parts = [p async for p in run_asgi(app, ForwardedRequest("GET", "/big"))][1:]
+        assert len(parts) > 1 and max(map(len, parts)) <= MAX_ITEM_BYTES
+        assert json.loads(b"".join(parts))["text"] == "x" * (3 * MAX_ITEM_BYTES)
+
     asyncio.run(main())
+
+
+def test_the_clients_request_id_comes_back_unless_serves_proxy_adds_it_itself() -> None:
+    pytest.importorskip("ray", reason="deployments.py is the [ray] extra's")
+    from starlette.responses import Response
+
+    from flashvlm.server.ray_serve.asgi_bridge import ForwardedRequest, ResponseStart
+    from flashvlm.server.ray_serve.deployments import _response
+
+    forwarded = ForwardedRequest("POST", "/v1/chat/completions", headers=((b"x-request-id", b"abc"),))
+    start = ResponseStart(200, [(b"x-request-id", b"abc"), (b"x-flashvlm-replica", b"r1")])
+    front = _response(Response(b"{}"), start, forwarded, behind_serve_proxy=False)
+    assert (b"x-request-id", b"abc") in front.raw_headers
+    proxied = _response(Response(b"{}"), start, forwarded, behind_serve_proxy=True)
+    assert all(k != b"x-request-id" for k, _ in proxied.raw_headers)
+    assert (b"x-flashvlm-replica", b"r1") in proxied.raw_headers
 
 
 async def _take_all(gen: AsyncIterator[Any]) -> list[Any]:

@@ -21,6 +21,9 @@ _END = object()
 HEAD_ITEMS = 2
 """Body items of a response that leave at once whatever the batching interval: a chat stream's role delta and its
 first token, so batching never delays the time to first token."""
+MAX_ITEM_BYTES = 1 << 20
+"""The most body bytes one item carries (a larger chunk leaves in slices): an item is one message of Serve's gRPC
+path, which caps messages at 4 MiB by default."""
 APP_EXIT_GRACE_S = 5.0
 """How long a closed request's app may take to notice the disconnect and finish before it is cancelled."""
 
@@ -51,9 +54,9 @@ class ResponseStart:
 async def run_asgi(app: ASGIApp, request: ForwardedRequest, extra_headers: tuple[tuple[bytes, bytes], ...] = (),
                    batching_interval_s: float = 0.0) -> AsyncIterator[ResponseStart | bytes]:
     """Yield the app's ResponseStart (with `extra_headers` added), then its body: each item the non-empty chunks
-    sent since the previous item was taken, joined. With `batching_interval_s`, after the first HEAD_ITEMS body
-    items, an item leaves no sooner than that long after the previous one (or as soon as the response ends),
-    carrying every chunk sent meanwhile."""
+    sent since the previous item was taken, joined (in slices of at most MAX_ITEM_BYTES). With
+    `batching_interval_s`, after the first HEAD_ITEMS body items, an item leaves no sooner than that long after the
+    previous one (or as soon as the response ends), carrying every chunk sent meanwhile."""
     loop = asyncio.get_running_loop()
     out: asyncio.Queue[Any] = asyncio.Queue()
     finished = asyncio.Event()  # set with the _END in `out`
@@ -108,8 +111,11 @@ async def run_asgi(app: ASGIApp, request: ForwardedRequest, extra_headers: tuple
                         ended = True
                         break
                     chunks.append(more)
-                item = b"".join(chunks)
+                body = b"".join(chunks)
                 last_sent = loop.time()
+                for offset in range(0, len(body), MAX_ITEM_BYTES):
+                    yield body[offset:offset + MAX_ITEM_BYTES]
+                continue
             yield item
         if task.done() and not task.cancelled() and task.exception() is not None:
             raise task.exception()  # type: ignore[misc]

@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
@@ -50,6 +50,9 @@ LOST = (RayActorError, ActorUnavailableError)
 MAX_ATTEMPTS = 3
 """Replicas one request is tried on before it is answered 503 replica_lost."""
 METRICS_TIMEOUT_S = 5.0
+GRPC_BODY_BYTES = 3 << 20
+"""Bodies up to this size go over Serve's gRPC path, under its default 4 MiB message cap with room for the
+headers; larger ones as Ray actor calls. (Response items stay under the cap: asgi_bridge.MAX_ITEM_BYTES.)"""
 
 
 class EngineReplica:
@@ -87,16 +90,21 @@ class IngressSettings:
     """Body bytes the ingress holds across all requests (--max-body-bytes-in-flight), as `flashvlm serve` does; also
     the most one body may have here (the replica's app then applies its own, smaller, per-request limit)."""
     body_read_timeout_s: float
+    behind_serve_proxy: bool = False
+    """The ingress is a Serve deployment behind Serve's HTTP proxy, which puts its own x-request-id on every
+    response (build_application); the front answers clients itself."""
 
 
 class Ingress:
     """HTTP in, forwarded to an engine replica chosen by the cache-aware router; /metrics from every replica."""
 
     def __init__(self, engine: DeploymentHandle, settings: IngressSettings) -> None:
-        # Over each replica's gRPC server rather than as Ray actor calls: a large body is not put in the object
-        # store, and a streamed chunk skips the actor-task machinery (a few ms less per request on a 2-core host).
-        # A replica lost mid-call raises ActorUnavailableError all the same.
-        self._engine = engine.options(stream=True, _by_reference=False)
+        # Over each replica's gRPC server rather than as Ray actor calls: the body is not put in the object store,
+        # and a streamed chunk skips the actor-task machinery (a few ms less per request on a 2-core host). gRPC
+        # caps a message at RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH, so larger bodies take the actor path; both
+        # handles share one router. A replica lost mid-call raises ActorUnavailableError on either.
+        self._engine_by_value = engine.options(stream=True, _by_reference=False)
+        self._engine = engine.options(stream=True)
         self._settings = settings
         self.registry = CollectorRegistry(auto_describe=True)
         self._decisions = Counter(PREFIX + "router_decisions", "Routed requests by the router's choice: prefix_hit, "
@@ -139,7 +147,8 @@ class Ingress:
         exclude: list[str] = []
         for attempt in range(MAX_ATTEMPTS):
             ticket = RouteTicket(keys=keys, exclude=tuple(exclude))
-            stream = self._engine.handle.remote(ticket, forwarded)
+            engine = self._engine_by_value if len(forwarded.body) <= GRPC_BODY_BYTES else self._engine
+            stream = engine.handle.remote(ticket, forwarded)
             try:
                 start = await stream.__anext__()
                 if not start.is_event_stream:  # a whole JSON body: read it all before the client sees any of it
@@ -159,9 +168,10 @@ class Ingress:
                 raise
             if count:
                 self._decisions.labels(ticket.decision(), ticket.replica or "").inc()
+            proxy = self._settings.behind_serve_proxy
             if not start.is_event_stream:
-                return _response(Response(body), start, forwarded)
-            return _response(SSEResponse(_RestOfStream(stream, ticket, self._lost_streams)), start, forwarded)
+                return _response(Response(body), start, forwarded, proxy)
+            return _response(SSEResponse(_RestOfStream(stream, ticket, self._lost_streams)), start, forwarded, proxy)
         return error_response(503, f"the request's replica was lost {MAX_ATTEMPTS} times", "service_unavailable",
                               code="replica_lost", headers={"Retry-After": "1"})
 
@@ -241,12 +251,17 @@ class _RestOfStream:
         self._stream.cancel()  # a no-op once the stream ended
 
 
-def _response(response: Response, start: ResponseStart, forwarded: ForwardedRequest) -> Response:
+def _response(response: Response, start: ResponseStart, forwarded: ForwardedRequest,
+              behind_serve_proxy: bool) -> Response:
     """`response` with the replica's headers (content type and length, x-request-id, Retry-After, the replica's
-    name), less an x-request-id equal to the one Serve's proxy put on the request: the proxy adds that one itself."""
-    proxy_id = next((v for k, v in forwarded.headers if k.lower() == b"x-request-id"), None)
+    name); behind Serve's proxy, less an x-request-id equal to the one the proxy put on the request: the proxy adds
+    that one itself."""
     response.status_code = start.status
-    response.raw_headers = [(k, v) for k, v in start.headers if not (k.lower() == b"x-request-id" and v == proxy_id)]
+    response.raw_headers = list(start.headers)
+    if behind_serve_proxy:
+        proxy_id = next((v for k, v in forwarded.headers if k.lower() == b"x-request-id"), None)
+        response.raw_headers = [(k, v) for k, v in start.headers
+                                if not (k.lower() == b"x-request-id" and v == proxy_id)]
     return response
 
 
@@ -263,7 +278,8 @@ def build_application(serve_args: argparse.Namespace | list[str]) -> Any:
     ingress = serve.deployment(Ingress, name="FlashvlmIngress", num_replicas=1,
                                ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=most_replicas * engine.max_ongoing_requests + 64)
-    return ingress.bind(engine.bind(serve_args), ingress_settings(serve_args, options))
+    settings = replace(ingress_settings(serve_args, options), behind_serve_proxy=True)
+    return ingress.bind(engine.bind(serve_args), settings)
 
 
 def engine_deployment(serve_args: argparse.Namespace, options: RayServeOptions) -> Any:

@@ -9,20 +9,28 @@ all-Serve layout for users who compose their own Serve applications."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
+from flashvlm.server.app import error_response
 from flashvlm.server.ray_serve.deployments import Ingress, IngressSettings
+
+logger = logging.getLogger("flashvlm.server.ray")
 
 
 class Front:
-    """An ASGI app: every HTTP request through one `Ingress` over `engine` (a handle to the engine deployment)."""
+    """An ASGI app: every HTTP request through one `Ingress` over the engine deployment's handle (`connect`)."""
 
-    def __init__(self, engine: DeploymentHandle, settings: IngressSettings) -> None:
-        self.ingress = Ingress(engine, settings)
+    def __init__(self, settings: IngressSettings) -> None:
+        self._settings = settings
+        self.ingress: Ingress | None = None
+
+    def connect(self, engine: DeploymentHandle) -> None:
+        self.ingress = Ingress(engine, self._settings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -30,7 +38,16 @@ class Front:
             return
         if scope["type"] != "http":
             return
-        response = await self.ingress(Request(scope, receive))
+        if self.ingress is None:
+            response = error_response(503, "the engine replicas are not deployed yet", "service_unavailable",
+                                      code="not_ready", headers={"Retry-After": "1"})
+        else:
+            try:
+                response = await self.ingress(Request(scope, receive))
+            except Exception as e:  # the ingress's own fault, not the request's: an OpenAI-style 500
+                logger.exception("the ingress failed on %s %s", scope.get("method"), scope.get("path"))
+                response = error_response(500, f"internal error in the ingress ({type(e).__name__})",
+                                          "server_error")
         await response(scope, receive, send)
 
 

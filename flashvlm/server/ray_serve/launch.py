@@ -1,20 +1,25 @@
 """`flashvlm serve --ray`: join (or start) a Ray cluster, deploy the engine replicas on Serve, serve HTTP at --host
 and --port from this process (front.py: the ingress under `flashvlm serve`'s own uvicorn server, no Serve HTTP
 proxy) until SIGINT or SIGTERM; then drain the front (--shutdown-timeout), delete the application (each replica
-gets --shutdown-timeout to finish its requests) and leave the cluster (a local one started here stops with it)."""
+gets --shutdown-timeout to finish its requests) and leave the cluster (a local one started here stops with it).
+
+Through Ray Client (`--ray-address ray://...`) this process cannot hold a streaming handle, so there the ingress
+runs as a Serve deployment behind Serve's HTTP proxy on the cluster (build_application's layout)."""
 
 from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
+import time
 from typing import Any
 
 import ray
 from ray import serve
 
 from flashvlm.server.http_server import GracefulServer, build_server
-from flashvlm.server.ray_serve.deployments import engine_deployment, ingress_settings
+from flashvlm.server.ray_serve.deployments import build_application, engine_deployment, ingress_settings
 from flashvlm.server.ray_serve.front import Front
 from flashvlm.server.ray_serve.options import RayServeOptions
 
@@ -27,34 +32,66 @@ def _interrupt(*_: Any) -> None:
 
 def run_on_ray(args: argparse.Namespace) -> int:
     options = RayServeOptions.from_args(args).validate()
+    through_client = (options.ray_address or "").startswith("ray://")
+    # The front's flags are checked and its port taken before any replica loads, which can take minutes.
+    server, front = (None, None) if through_client else build_front(args)
+    listening = None if through_client else bind(args.host, args.port)
     ray.init(address=options.ray_address)
     # After ray.init, which installs its own SIGTERM handler: until the front runs (it handles both signals
     # itself), a SIGTERM stops the service as Ctrl-C does.
     signal.signal(signal.SIGTERM, _interrupt)
     deployed = False
     try:
-        serve.start(proxy_location="Disabled")
-        deployed = True
-        server = deploy(args, options)
+        if front is None:
+            serve.start(http_options={"host": args.host, "port": args.port})
+            deployed = True
+            serve.run(build_application(args), name=APP_NAME, route_prefix="/")
+        else:
+            serve.start(proxy_location="Disabled")
+            deployed = True
+            deploy(args, options, front)
         count = (f"{options.min_replicas}..{options.max_replicas} replicas (autoscaling)" if options.autoscaling
                  else f"{options.num_replicas} replica(s)")
         print(f"flashvlm serving on Ray Serve at http://{args.host}:{args.port}/v1 with {count}", file=sys.stderr)
-        server.run()
-        print("flashvlm: stopping the Ray Serve application", file=sys.stderr)
+        if server is None:
+            while True:
+                time.sleep(3600)
+        server.run(sockets=[listening] if listening is not None else None)
     except KeyboardInterrupt:
-        print("flashvlm: stopping the Ray Serve application", file=sys.stderr)
+        pass
     finally:
+        print("flashvlm: stopping the Ray Serve application", file=sys.stderr)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if listening is not None:
+            listening.close()
         if deployed:
             serve.delete(APP_NAME)
         ray.shutdown()
     return 0
 
 
-def deploy(args: argparse.Namespace, options: RayServeOptions) -> GracefulServer:
-    """Deploy the engine replicas (application APP_NAME, no HTTP route of Serve's) and build the front over them;
-    `.run()` serves until a stop signal (or `should_exit`)."""
-    engine = serve.run(engine_deployment(args, options).bind(args), name=APP_NAME, route_prefix=None)
-    return build_server(Front(engine, ingress_settings(args, options)), host=args.host, port=args.port,
-                        log_level=args.uvicorn_log_level, shutdown_timeout_s=args.shutdown_timeout,
-                        header_read_timeout_s=args.header_read_timeout)
+def build_front(args: argparse.Namespace) -> tuple[GracefulServer, Front]:
+    """The front's server (its flags checked) and the front, not yet connected to the replicas (`deploy`)."""
+    front = Front(ingress_settings(args, RayServeOptions.from_args(args)))
+    server = build_server(front, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                          shutdown_timeout_s=args.shutdown_timeout, header_read_timeout_s=args.header_read_timeout)
+    return server, front
+
+
+def deploy(args: argparse.Namespace, options: RayServeOptions, front: Front) -> None:
+    """Deploy the engine replicas (application APP_NAME, no HTTP route of Serve's) and connect the front to them."""
+    front.connect(serve.run(engine_deployment(args, options).bind(args), name=APP_NAME, route_prefix=None))
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port for the front, as uvicorn would open it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"flashvlm: cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock

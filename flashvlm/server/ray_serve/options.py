@@ -48,7 +48,9 @@ class RayServeOptions:
                                                      "Ray gives it)")
     num_cpus_per_replica: float = option(1.0, check=_non_negative, help="CPUs Ray reserves for each replica")
     ray_address: str | None = option(None, shown_default="RAY_ADDRESS, else a local Ray started on this machine",
-                                     help="the Ray cluster to join (ray://host:10001 or host:6379)")
+                                     help="the Ray cluster to join: host:6379 from a node of the cluster (the "
+                                          "front runs here), or ray://host:10001 through Ray Client (the "
+                                          "ingress then runs behind Serve's HTTP proxy on the cluster)")
     affinity_max_imbalance: int = option(
         8, minimum=0,
         help="load bound of cache-aware routing: a request leaves the replica holding its image or prompt prefix "
@@ -62,8 +64,8 @@ class RayServeOptions:
     stream_batching_interval_ms: float = option(
         50.0, check=_non_negative,
         help="a replica sends a stream's chunks to the ingress at most once per this many ms (the first two, "
-             "the role delta and the first token, at once); each message crosses three Ray hops, which one per "
-             "token would saturate before the engine. 0: as they come")
+             "the role delta and the first token, at once): each is a Ray message, which one per token would "
+             "saturate before the engine. 0: as they come")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RayServeOptions:
