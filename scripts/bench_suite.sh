@@ -104,8 +104,7 @@ run_job() {  # job dir: run from inside the tree being measured
     ray)  # one Ray Serve replica against flashvlm serve, the same workload (needs the [serve] and [ray] extras)
       mkdir -p "$d"
       OUT=$d NUM=$(n 300) SIZES="448x448 1008x756" MODEL_ARGS="${MODEL:+--model $MODEL}" \
-        bash scripts/gpu_ray_overhead.sh 2>&1 \
-        | tee "$d/log.txt" | tail -40 ;;
+        bash scripts/gpu_ray_overhead.sh 2>&1 | tee "$d/log.txt" | tail -40 ;;
     agreement)  # greedy tokens against transformers on the same random 7B weights
       script "$d" scripts/gpu_agreement_7b.py ;;
     kernels)  # greedy parity of the backends, kernel times, the decode GEMV, FA4 against cuDNN (if installed)

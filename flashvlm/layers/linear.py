@@ -42,6 +42,12 @@ class PlainLinear(nn.Linear):
     so a later pass (quantization, sharding) finds every linear layer of a model among `layers/` classes."""
 
 
+def gemv_locks(out_features: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The GEMV's split-K arrival counters for a layer of `out_features` outputs: one per 16 output columns (the
+    narrowest column block), zeros."""
+    return torch.zeros(-(-out_features // 16), dtype=torch.int32, device=device)
+
+
 class Linear(nn.Linear):
     """nn.Linear whose few-row products take the Triton GEMV on CUDA tensors."""
 
@@ -51,10 +57,9 @@ class Linear(nn.Linear):
         """Triton GEMV on CUDA tensors; the engine sets it from EngineConfig.kernel_backend."""
         self.gemv_max_rows = GEMV_MAX_ROWS
         """Products of at most this many rows take the GEMV; the engine sets 0 (never) for decode_gemv=False."""
-        # The GEMV's split-K arrival counters (one per 16 output columns, the narrowest column block), zeros
-        # between calls; each layer owns its own, so no two products in flight share them.
-        self.register_buffer("gemv_locks", torch.zeros(-(-out_features // 16), dtype=torch.int32),
-                             persistent=False)
+        # The GEMV's split-K arrival counters, zeros between calls; each layer owns its own, so no two products in
+        # flight share them.
+        self.register_buffer("gemv_locks", gemv_locks(out_features), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, max_rows=self.gemv_max_rows, enabled=self.use_triton_kernels,

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from flashvlm.layers.activation import SiluAndMul, get_activation
-from flashvlm.layers.linear import Linear, MergedLinear, PlainLinear
+from flashvlm.layers.linear import Linear, MergedLinear, PlainLinear, gemv_locks
 
 ALIGNED_WIDTH = 8
 """Rows of a multiple of 8 bf16 elements start on 16-byte boundaries; cuBLAS's fast Hopper GEMMs need that. With
@@ -49,7 +49,7 @@ class GatedMLP(nn.Module):
                 new.index_copy_(0, rows, old)
                 setattr(gate_up, name, nn.Parameter(new, requires_grad=False))
         gate_up.out_features, gate_up.out_sizes = 2 * padded, [padded, padded]
-        gate_up.gemv_locks = gate_up.gemv_locks.new_zeros(-(-2 * padded // 16))
+        gate_up.gemv_locks = gemv_locks(2 * padded, gate_up.gemv_locks.device)
         new = down.weight.new_zeros(down.out_features, padded)
         new[:, :width] = down.weight
         down.weight, down.in_features = nn.Parameter(new, requires_grad=False), padded

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from flashvlm.config import ConfigError
-from flashvlm.layers.linear import GEMV_MAX_ROWS
+from flashvlm.layers.linear import GEMV_MAX_ROWS, gemv_locks
 
 
 class QuantFormatError(ConfigError):
@@ -63,10 +63,9 @@ class QuantizedLinear(nn.Module):
         """Triton kernels on CUDA tensors; the engine sets it from EngineConfig.kernel_backend."""
         self.gemv_max_rows = GEMV_MAX_ROWS
         """Products of at most this many rows take the low-row kernel; the engine sets 0 for decode_gemv=False."""
-        # The low-row kernels' split-K arrival counters (one per 16 output columns, the narrowest column block any
-        # of them uses), zeros between calls; each layer owns its own, so no two products in flight share them.
-        self.register_buffer("gemv_locks", torch.zeros(-(-self.out_features // 16), dtype=torch.int32,
-                                                       device=device), persistent=False)
+        # The low-row kernels' split-K arrival counters (16 output columns is the narrowest column block any of
+        # them uses too), zeros between calls; each layer owns its own, so no two products in flight share them.
+        self.register_buffer("gemv_locks", gemv_locks(self.out_features, device), persistent=False)
 
     # ---- what model code calls ------------------------------------------------------------------
     def split_output(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:

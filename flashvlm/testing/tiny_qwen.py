@@ -74,8 +74,7 @@ def build_qwen2_vl(path: str | Path, *, qwen25: bool = False, seed: int = 0, hid
     if qwen25:
         # An intermediate width that is no multiple of 8, like the real 3,420: the loader pads it (layers/mlp.py).
         vision = dict(depth=vision_depth * 2, hidden_size=vision_width, intermediate_size=2 * vision_width + 6,
-                      num_heads=2,
-                      out_hidden_size=hidden, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                      num_heads=2, out_hidden_size=hidden, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
                       window_size=56, fullatt_block_indexes=[1, 3][: max(1, vision_depth)], hidden_act="silu")
         cfg_cls, model_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     else:

@@ -22,7 +22,11 @@ serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from flashvlm.server.ray_serve.deployments import build_application, parse_serve_args  # noqa: E402
+from flashvlm.server.ray_serve.deployments import (  # noqa: E402
+    ENGINE_DEPLOYMENT,
+    build_application,
+    parse_serve_args,
+)
 from flashvlm.server.ray_serve.launch import APP_NAME, build_front, deploy  # noqa: E402
 from flashvlm.server.ray_serve.options import RayServeOptions  # noqa: E402
 from tests.server.conftest import png_bytes  # noqa: E402
@@ -30,7 +34,7 @@ from tests.server.conftest import png_bytes  # noqa: E402
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-ENGINE = "FlashvlmEngine"
+ENGINE = ENGINE_DEPLOYMENT
 FLAGS = ["--device", "cpu", "--served-model-name", "demo", "--max-num-seqs", "8", "--disable-log-requests",
          "--num-processing-threads", "1", "--num-cpus-per-replica", "1"]
 

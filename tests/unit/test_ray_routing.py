@@ -216,10 +216,20 @@ def test_flags_and_the_serve_config_they_give() -> None:
     ({"upscale_delay": -1.0}, "--upscale-delay must be a number >= 0"),
     ({"num_gpus_per_replica": -0.5}, "--num-gpus-per-replica must be a number >= 0"),
     ({"router_max_keys": 0}, "--router-max-keys must be >= 1"),
+    ({"stream_batching_interval_ms": -5.0}, "--stream-batching-interval-ms must be a number >= 0"),
 ])
 def test_bad_options_are_refused_by_flag(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         RayServeOptions(**kwargs).validate()
+
+
+def test_ray_client_addresses_given_or_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert not RayServeOptions().through_ray_client
+    assert not RayServeOptions(ray_address="head:6379").through_ray_client
+    assert RayServeOptions(ray_address="ray://head:10001").through_ray_client
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    assert RayServeOptions().through_ray_client
 
 
 def test_the_docs_table_is_the_fields() -> None:

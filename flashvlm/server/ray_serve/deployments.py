@@ -256,12 +256,11 @@ def _response(response: Response, start: ResponseStart, forwarded: ForwardedRequ
     """`response` with the replica's headers (content type and length, x-request-id, Retry-After, the replica's
     name); behind Serve's proxy, less an x-request-id equal to the one the proxy put on the request: the proxy adds
     that one itself."""
+    proxy_id = next((v for k, v in forwarded.headers if k.lower() == b"x-request-id"), None) \
+        if behind_serve_proxy else None
     response.status_code = start.status
-    response.raw_headers = list(start.headers)
-    if behind_serve_proxy:
-        proxy_id = next((v for k, v in forwarded.headers if k.lower() == b"x-request-id"), None)
-        response.raw_headers = [(k, v) for k, v in start.headers
-                                if not (k.lower() == b"x-request-id" and v == proxy_id)]
+    response.raw_headers = [(k, v) for k, v in start.headers
+                            if proxy_id is None or not (k.lower() == b"x-request-id" and v == proxy_id)]
     return response
 
 

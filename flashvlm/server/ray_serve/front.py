@@ -38,16 +38,12 @@ class Front:
             return
         if scope["type"] != "http":
             return
-        if self.ingress is None:
-            response = error_response(503, "the engine replicas are not deployed yet", "service_unavailable",
-                                      code="not_ready", headers={"Retry-After": "1"})
-        else:
-            try:
-                response = await self.ingress(Request(scope, receive))
-            except Exception as e:  # the ingress's own fault, not the request's: an OpenAI-style 500
-                logger.exception("the ingress failed on %s %s", scope.get("method"), scope.get("path"))
-                response = error_response(500, f"internal error in the ingress ({type(e).__name__})",
-                                          "server_error")
+        assert self.ingress is not None, "the launcher connects the front before it serves"
+        try:
+            response = await self.ingress(Request(scope, receive))
+        except Exception as e:  # the ingress's own fault, not the request's: an OpenAI-style 500
+            logger.exception("the ingress failed on %s %s", scope.get("method"), scope.get("path"))
+            response = error_response(500, f"internal error in the ingress ({type(e).__name__})", "server_error")
         await response(scope, receive, send)
 
 

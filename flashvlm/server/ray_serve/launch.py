@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import socket
 import sys
 import time
 from typing import Any
@@ -32,10 +31,11 @@ def _interrupt(*_: Any) -> None:
 
 def run_on_ray(args: argparse.Namespace) -> int:
     options = RayServeOptions.from_args(args).validate()
-    through_client = (options.ray_address or "").startswith("ray://")
-    # The front's flags are checked and its port taken before any replica loads, which can take minutes.
-    server, front = (None, None) if through_client else build_front(args)
-    listening = None if through_client else bind(args.host, args.port)
+    server, front, listening = None, None, None
+    if not options.through_ray_client:
+        # The front's flags are checked and its port taken before any replica loads, which can take minutes.
+        server, front = build_front(args)
+        listening = server.config.bind_socket()
     ray.init(address=options.ray_address)
     # After ray.init, which installs its own SIGTERM handler: until the front runs (it handles both signals
     # itself), a SIGTERM stops the service as Ctrl-C does.
@@ -56,7 +56,7 @@ def run_on_ray(args: argparse.Namespace) -> int:
         if server is None:
             while True:
                 time.sleep(3600)
-        server.run(sockets=[listening] if listening is not None else None)
+        server.run(sockets=[listening])
     except KeyboardInterrupt:
         pass
     finally:
@@ -81,17 +81,3 @@ def build_front(args: argparse.Namespace) -> tuple[GracefulServer, Front]:
 def deploy(args: argparse.Namespace, options: RayServeOptions, front: Front) -> None:
     """Deploy the engine replicas (application APP_NAME, no HTTP route of Serve's) and connect the front to them."""
     front.connect(serve.run(engine_deployment(args, options).bind(args), name=APP_NAME, route_prefix=None))
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port for the front, as uvicorn would open it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise SystemExit(f"flashvlm: cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.set_inheritable(True)
-    return sock

@@ -6,6 +6,7 @@ flashvlm.server.ray_serve.options` rewrites the table); validated once in `valid
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,11 @@ class RayServeOptions:
     @property
     def autoscaling(self) -> bool:
         return self.max_replicas is not None
+
+    @property
+    def through_ray_client(self) -> bool:
+        """The cluster is reached through Ray Client (a ray:// address, given or in RAY_ADDRESS)."""
+        return (self.ray_address or os.environ.get("RAY_ADDRESS", "")).startswith("ray://")
 
     def validate(self) -> RayServeOptions:
         """Check every option, then the rules between them; raises ValueError naming the flag."""
